@@ -1,0 +1,171 @@
+"""GGUF files (llama.cpp's format) via the `gguf` package.
+
+Config comes from the file's metadata, tensors are renamed to HF names and
+dequantized to float one at a time on request (quantized execution comes in a
+later issue), and llama.cpp's Q/K row permutation is undone for the "llama"
+architecture so the HF rotary pairing in models/layers.py applies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import CheckpointError, UnsupportedModelError
+
+# GGUF `general.architecture` -> ours. Mistral GGUFs say "llama".
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# Tensor types we dequantize with gguf.quants (the ones the issue names plus the
+# other classic and k-quant block formats the package implements in numpy).
+Q = gguf.GGMLQuantizationType
+SUPPORTED_TENSOR_TYPES = frozenset(
+    [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order.
+
+    For adjacent-pair RoPE, llama.cpp's converter interleaves the two halves of
+    each head's rows: HF row (half h, index i) lands at row 2*i + h. Reading
+    rows as [head, i, h] and swapping the last two axes restores [head, h, i].
+    """
+    out_dim = weight.shape[0]
+    head_dim = out_dim // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def read_field(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: gguf.GGUFReader, path) -> ModelConfig:
+    arch = read_field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path}: unknown architecture {arch!r}; supported GGUF architectures: {', '.join(_ARCHITECTURES)}"
+        )
+
+    def meta(key, default=None):
+        value = read_field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{path} lacks the metadata key {arch}.{key}")
+        return value
+
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise UnsupportedModelError(f"{path}: rope_freqs.weight (precomputed RoPE factors) is not supported yet")
+    scaling_type = read_field(reader, f"{arch}.rope.scaling.type")
+    rope_scaling = None
+    if scaling_type == "linear":
+        rope_scaling = (("factor", float(meta("rope.scaling.factor"))), ("rope_type", "linear"))
+    elif scaling_type not in (None, "none"):
+        raise UnsupportedModelError(f"{path}: rope scaling type {scaling_type!r} is not supported")
+    hidden = int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = read_field(reader, f"{arch}.vocab_size") or (
+        len(tokens.data) if tokens is not None else int(embed.shape[-1]) if embed is not None else None
+    )
+    sliding_window = read_field(reader, f"{arch}.attention.sliding_window")
+    return ModelConfig(
+        architecture=_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(meta("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(meta("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=int(sliding_window) if sliding_window else None,
+    )
+
+
+class GGUFTensors:
+    """TensorSource over a GGUF file: HF names, dequantized float32, HF row order."""
+
+    def __init__(self, reader: gguf.GGUFReader, config: ModelConfig, path):
+        self.description = str(path)
+        self._config = config
+        self._unpermute = read_field(reader, "general.architecture") == "llama"
+        self._tensors = {}
+        for tensor in reader.tensors:
+            name = hf_name(tensor.name)
+            if name is not None:
+                self._tensors[name] = tensor
+
+    def names(self):
+        return self._tensors.keys()
+
+    def get(self, name: str) -> np.ndarray:
+        tensor = self._tensors[name]
+        qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+        if qtype not in SUPPORTED_TENSOR_TYPES:
+            raise CheckpointError(
+                f"{self.description}: tensor {tensor.name} has GGUF type {qtype.name}, which is not supported "
+                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))})"
+            )
+        # tensor.shape lists ggml dims fastest-first; numpy wants them reversed.
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        array = gguf.quants.dequantize(tensor.data, qtype).reshape(shape)
+        if self._unpermute and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self._config.num_heads if "q_proj" in name else self._config.num_kv_heads
+            array = unpermute_rows(array, heads)
+        return array
+
+
+def open_gguf(path: str | Path):
+    """-> (config, TensorSource, reader) for a .gguf file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file {path} not found")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad bytes
+        raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    config = config_from_gguf(reader, path)
+    return config, GGUFTensors(reader, config, path), reader

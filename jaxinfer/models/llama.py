@@ -1,0 +1,101 @@
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2, Qwen3) as pure functions.
+
+Parameters are a plain dict pytree. Per-layer weights are stacked on a leading
+`num_layers` axis and the layers run under `lax.scan`, so the compiled program
+holds one layer body whatever the depth. Matrices are stored [in, out] so that
+activations multiply them from the left (`x @ w`):
+
+    embed        [vocab, hidden]
+    layers/      attn_norm [L, hidden]
+                 wq [L, hidden, heads*head_dim]   bq [L, heads*head_dim]     (qkv_bias)
+                 wk [L, hidden, kv_heads*head_dim] bk [L, kv_heads*head_dim] (qkv_bias)
+                 wv [L, hidden, kv_heads*head_dim] bv [L, kv_heads*head_dim] (qkv_bias)
+                 q_norm [L, head_dim]  k_norm [L, head_dim]                  (qk_norm)
+                 wo [L, heads*head_dim, hidden]
+                 mlp_norm [L, hidden]
+                 w_gate [L, hidden, ffn]  w_up [L, hidden, ffn]  w_down [L, ffn, hidden]
+    final_norm   [hidden]
+    lm_head      [hidden, vocab]        (absent when embeddings are tied)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.attention import AttentionFn
+from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq
+
+
+def param_shapes(config: ModelConfig) -> dict:
+    """The shape of every parameter, in the layout documented above."""
+    c = config
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    L = c.num_layers
+    layers = {
+        "attn_norm": (L, c.hidden_size),
+        "wq": (L, c.hidden_size, q_dim),
+        "wk": (L, c.hidden_size, kv_dim),
+        "wv": (L, c.hidden_size, kv_dim),
+        "wo": (L, q_dim, c.hidden_size),
+        "mlp_norm": (L, c.hidden_size),
+        "w_gate": (L, c.hidden_size, c.intermediate_size),
+        "w_up": (L, c.hidden_size, c.intermediate_size),
+        "w_down": (L, c.intermediate_size, c.hidden_size),
+    }
+    if c.qkv_bias:
+        layers.update(bq=(L, q_dim), bk=(L, kv_dim), bv=(L, kv_dim))
+    if c.qk_norm:
+        layers.update(q_norm=(L, c.head_dim), k_norm=(L, c.head_dim))
+    shapes = {"embed": (c.vocab_size, c.hidden_size), "layers": layers, "final_norm": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (c.hidden_size, c.vocab_size)
+    return shapes
+
+
+def forward(params: dict, config: ModelConfig, tokens, positions, attention: AttentionFn, kv_cache=None):
+    """Run the transformer body.
+
+    tokens, positions: int32 [B, T]. `attention` implements the attention of
+    one layer (see models/attention.py); `kv_cache` is its per-layer state
+    stacked on a leading layer axis, or None. Returns (hidden [B, T, hidden]
+    after the final norm, updated kv_cache).
+    """
+    c = config
+    inv_freq = rope_inv_freq(c)
+    batch, seq = tokens.shape
+    x = params["embed"][tokens]
+
+    def project(h, w, b):
+        y = h @ w
+        return y if b is None else y + b
+
+    def layer(x, per_layer):
+        p, layer_cache = per_layer
+        h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+        q = project(h, p["wq"], p.get("bq")).reshape(batch, seq, c.num_heads, c.head_dim)
+        k = project(h, p["wk"], p.get("bk")).reshape(batch, seq, c.num_kv_heads, c.head_dim)
+        v = project(h, p["wv"], p.get("bv")).reshape(batch, seq, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+            k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        attn, layer_cache = attention(q, k, v, layer_cache)
+        x = x + attn.reshape(batch, seq, c.num_heads * c.head_dim) @ p["wo"]
+        h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+        return x, layer_cache
+
+    x, kv_cache = jax.lax.scan(layer, x, (params["layers"], kv_cache))
+    return rms_norm(x, params["final_norm"], c.rms_norm_eps), kv_cache
+
+
+def compute_logits(params: dict, hidden):
+    """Project hidden states to float32 vocabulary logits (tied or untied head)."""
+    if "lm_head" in params:
+        logits = hidden @ params["lm_head"]
+    else:
+        logits = jnp.einsum("...d,vd->...v", hidden, params["embed"])
+    return logits.astype(jnp.float32)

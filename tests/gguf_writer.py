@@ -1,0 +1,112 @@
+"""Write GGUF files from tiny HF models with gguf.GGUFWriter, the way
+llama.cpp's converter lays them out (names, metadata, permuted Q/K rows)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def llama_cpp_row_order(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K layout, written as an explicit index loop (independent of
+    the reshape trick the loader uses): within each head, HF row h*half + i
+    (h in {0, 1}) moves to row 2*i + h."""
+    head_dim = weight.shape[0] // num_heads
+    half = head_dim // 2
+    out = np.empty_like(weight)
+    for head in range(num_heads):
+        base = head * head_dim
+        for h in range(2):
+            for i in range(half):
+                out[base + 2 * i + h] = weight[base + h * half + i]
+    return out
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, index, rest = hf_name.split(".", 3)
+    return f"blk.{index}.{LAYER_NAMES[rest]}"
+
+
+def quantized(array: np.ndarray, qtype) -> bool:
+    """llama.cpp quantizes 2-D weights whose rows fill whole blocks; 1-D stays F32."""
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return array.ndim == 2 and array.shape[1] % block == 0
+
+
+def round_trip(array: np.ndarray, qtype) -> np.ndarray:
+    if qtype == gguf.GGMLQuantizationType.F32 or not quantized(array, qtype):
+        return array
+    return gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype)
+
+
+def write_gguf(hf_model, path, qtype=gguf.GGMLQuantizationType.F32, arch="llama", tensor_type_override=None):
+    """tensor_type_override: {gguf tensor name: (numpy array, raw GGML type)} to plant bad tensors."""
+    c = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope_theta = getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_vocab_size(c.vocab_size)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    state = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
+    if c.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, array in state.items():
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            array = llama_cpp_row_order(array, c.num_attention_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            array = llama_cpp_row_order(array, c.num_key_value_heads)
+        target = gguf_name(name)
+        if tensor_type_override and target in tensor_type_override:
+            data, raw = tensor_type_override[target]
+            writer.add_tensor(target, data, raw_dtype=raw)
+        elif qtype != gguf.GGMLQuantizationType.F32 and quantized(array, qtype):
+            writer.add_tensor(target, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(target, np.ascontiguousarray(array, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def round_trip_hf_model(hf_model, qtype):
+    """The HF model with every weight replaced by its quantize-dequantize image:
+    the exact float model a correct GGUF loader must reproduce."""
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            param.copy_(torch.from_numpy(round_trip(param.float().numpy(), qtype)))
+    return hf_model

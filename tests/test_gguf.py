@@ -1,0 +1,91 @@
+"""GGUF loading: files written with gguf.GGUFWriter from tiny HF models, and
+the real default-model GGUF against transformers' own GGUF loader."""
+
+import copy
+
+import gguf
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer.errors import CheckpointError, UnsupportedModelError
+from tests.gguf_writer import round_trip_hf_model, write_gguf
+from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model
+
+Q = gguf.GGMLQuantizationType
+TOKENS = np.random.default_rng(0).integers(0, 128, 48)
+
+
+@pytest.mark.parametrize("variant,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_f32_gguf_matches_hf(tmp_path, variant, arch):
+    hf_model = make_hf_model(variant, seed=5)
+    path = write_gguf(hf_model, tmp_path / "m.gguf", Q.F32, arch=arch)
+    model = jaxinfer.load(str(path), progress=False)
+    assert model.config.architecture == arch
+    assert_logits_close(model.logits(TOKENS), hf_logits(hf_model, TOKENS))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_quantized_gguf_matches_dequantized_hf(tmp_path, qtype):
+    hf_model = make_hf_model("llama", seed=6)
+    path = write_gguf(hf_model, tmp_path / "m.gguf", qtype)
+    model = jaxinfer.load(str(path), progress=False)
+    # Exact: the loader must reproduce the quantize->dequantize image of each weight.
+    reference = round_trip_hf_model(copy.deepcopy(hf_model), qtype)
+    assert_logits_close(model.logits(TOKENS), hf_logits(reference, TOKENS))
+    if qtype == Q.Q8_0:
+        # And Q8_0 stays within quantization error of the float model: ~0.6%
+        # relative error per weight, amplified to ~3% RMS by this random net.
+        ours, exact = model.logits(TOKENS), hf_logits(hf_model, TOKENS)
+        assert np.sqrt(((ours - exact) ** 2).mean() / (exact**2).mean()) < 0.05
+        assert (ours.argmax(-1) == exact.argmax(-1)).mean() > 0.9
+
+
+def test_default_model_matches_transformers_gguf_loader():
+    """The real Q4_1 SmolLM2 file: transformers' independent GGUF loader
+    (which undoes the Q/K permutation its own way) gives the same logits."""
+    transformers = pytest.importorskip("transformers")
+    from jaxinfer.loading.checkpoint import default_model_path
+
+    path = default_model_path()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype="float32"
+    ).eval()
+    model = jaxinfer.load(progress=False)
+    tokens = [504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282]
+    assert_logits_close(model.logits(tokens), hf_logits(hf_model, tokens))
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    hf_model = make_hf_model("llama", seed=7)
+    bad = {"blk.0.attn_norm.weight": (np.zeros(64, np.int32), Q.I32)}
+    path = write_gguf(hf_model, tmp_path / "m.gguf", tensor_type_override=bad)
+    with pytest.raises(CheckpointError, match=r"blk\.0\.attn_norm\.weight.*I32"):
+        jaxinfer.load(str(path), progress=False)
+
+
+def test_wrong_shape_names_tensor_and_shapes(tmp_path):
+    hf_model = make_hf_model("llama", seed=8)
+    bad = {"blk.1.ffn_up.weight": (np.zeros((100, 64), np.float32), Q.F32)}
+    path = write_gguf(hf_model, tmp_path / "m.gguf", tensor_type_override=bad)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(100, 64\).*\(128, 64\)"):
+        jaxinfer.load(str(path), progress=False)
+
+
+def test_unknown_architecture(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="mamba"):
+        jaxinfer.load(str(tmp_path / "m.gguf"), progress=False)
+
+
+def test_missing_and_garbage_files(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        jaxinfer.load(str(tmp_path / "nope.gguf"), progress=False)
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(CheckpointError, match="junk.gguf"):
+        jaxinfer.load(str(tmp_path / "junk.gguf"), progress=False)
