@@ -25,7 +25,7 @@ def test_f32_gguf_matches_hf(tmp_path, variant, arch):
     assert_logits_close(model.logits(TOKENS), hf_logits(hf_model, TOKENS))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_quantized_gguf_matches_dequantized_hf(tmp_path, qtype):
     hf_model = make_hf_model("llama", seed=6)
     path = write_gguf(hf_model, tmp_path / "m.gguf", qtype)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import jaxinfer
+import jaxinfer.errors
 from tests.tiny_models import VARIANTS, assert_logits_close, hf_greedy, hf_logits, make_hf_model, save_hf_model
 
 # Long enough to cross the Mistral window (16) and Llama-3's original context (32).
@@ -54,3 +55,28 @@ def test_bfloat16_close_to_float32(tmp_path):
     # bfloat16 keeps 8 bits of mantissa: expect percent-level, not 1e-4, agreement.
     assert_logits_close(bf16.logits(tokens), ref, rtol=0.1)
     assert (bf16.logits(tokens).argmax(-1) == ref.argmax(-1)).mean() > 0.8
+
+
+def test_safetensors_wrong_shape_names_tensor_and_both_shapes(tmp_path):
+    import json
+
+    hf_model = make_hf_model("llama", seed=9)
+    save_hf_model(hf_model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(jaxinfer.errors.CheckpointError, match=r"gate_proj\.weight.*\(128, 64\).*\(96, 64\)"):
+        jaxinfer.load(str(tmp_path), progress=False)
+
+
+def test_truncated_or_missing_safetensors(tmp_path):
+    from jaxinfer.errors import CheckpointError
+
+    save_hf_model(make_hf_model("llama", seed=10), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        jaxinfer.load(str(tmp_path), progress=False)
+    weights.unlink()
+    with pytest.raises(CheckpointError, match="neither model.safetensors nor model.safetensors.index.json"):
+        jaxinfer.load(str(tmp_path), progress=False)
