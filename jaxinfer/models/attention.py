@@ -1,10 +1,11 @@
 """Attention behind one interface, so the paged cache and Pallas kernels can
 replace the implementation without touching the model code.
 
-The model calls `attention(q, k, v, layer_cache) -> (out, layer_cache)` once per
-layer, where q is [B, T, num_heads, head_dim], k/v are the new tokens'
-[B, T, num_kv_heads, head_dim], and `layer_cache` is whatever the
-implementation keeps per layer (None for a cache-free full-sequence forward).
+The model calls `attention(q, k, v, kv_cache, layer_index) -> (out, kv_cache)`
+once per layer, where q is [B, T, num_heads, head_dim], k/v are the new
+tokens' [B, T, num_kv_heads, head_dim], `kv_cache` is whatever the
+implementation keeps for all layers (None for a cache-free full-sequence
+forward) and `layer_index` is a traced int32 scalar.
 Everything else an implementation needs (positions, lengths, block tables) is
 bound when it is constructed, outside the layer scan.
 """
@@ -16,7 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
 
 
 def attention_reference(q, k, v, q_positions, k_positions, k_valid=None, sliding_window=None):
@@ -48,14 +49,15 @@ def attention_reference(q, k, v, q_positions, k_positions, k_valid=None, sliding
 def full_sequence_attention(positions, sliding_window=None) -> AttentionFn:
     """Causal self-attention over the tokens of the call itself (no cache)."""
 
-    def attend(q, k, v, layer_cache):
-        return attention_reference(q, k, v, positions, positions, sliding_window=sliding_window), layer_cache
+    def attend(q, k, v, kv_cache, layer_index):
+        return attention_reference(q, k, v, positions, positions, sliding_window=sliding_window), kv_cache
 
     return attend
 
 
 def contiguous_cache_attention(positions, sliding_window=None) -> AttentionFn:
-    """Attention over a contiguous per-sequence cache [B, max_len, KV, D].
+    """Attention over a contiguous per-sequence cache: (k, v), each
+    [layers, B, max_len, KV, D].
 
     The new tokens of row b occupy cache slots positions[b, 0] ... + T - 1
     (one contiguous run per row, as in prefill or single-token decode); they
@@ -65,14 +67,17 @@ def contiguous_cache_attention(positions, sliding_window=None) -> AttentionFn:
     (dynamic_update_slice would otherwise clamp and shift the write).
     """
 
-    def attend(q, k, v, layer_cache):
-        k_cache, v_cache = layer_cache
-        start = positions[:, 0]
-        write = jax.vmap(lambda cache, new, s: jax.lax.dynamic_update_slice(cache, new, (s, 0, 0)))
-        k_cache = write(k_cache, k.astype(k_cache.dtype), start)
-        v_cache = write(v_cache, v.astype(v_cache.dtype), start)
-        slots = jnp.broadcast_to(jnp.arange(k_cache.shape[1]), (k_cache.shape[0], k_cache.shape[1]))
-        out = attention_reference(q, k_cache, v_cache, positions, slots, sliding_window=sliding_window)
+    def attend(q, k, v, kv_cache, layer_index):
+        k_cache, v_cache = kv_cache
+        batch, max_len = k_cache.shape[1], k_cache.shape[2]
+        for b in range(batch):  # static and small: one in-place update per row
+            start = (layer_index, b, positions[b, 0], 0, 0)
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k[b][None, None].astype(k_cache.dtype), start)
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v[b][None, None].astype(v_cache.dtype), start)
+        slots = jnp.broadcast_to(jnp.arange(max_len), (batch, max_len))
+        out = attention_reference(
+            q, k_cache[layer_index], v_cache[layer_index], positions, slots, sliding_window=sliding_window
+        )
         return out, (k_cache, v_cache)
 
     return attend

@@ -58,8 +58,10 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
     """Run the transformer body.
 
     tokens, positions: int32 [B, T]. `attention` implements the attention of
-    one layer (see models/attention.py); `kv_cache` is its per-layer state
-    stacked on a leading layer axis, or None. Returns (hidden [B, T, hidden]
+    one layer (see models/attention.py); `kv_cache` is its state for all
+    layers (or None). The cache rides in the scan carry, not in xs/ys, so each
+    layer updates only its new tokens' slots in place instead of XLA copying
+    a whole layer slice of the cache per step. Returns (hidden [B, T, hidden]
     after the final norm, updated kv_cache).
     """
     c = config
@@ -71,8 +73,9 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
         y = h @ w
         return y if b is None else y + b
 
-    def layer(x, per_layer):
-        p, layer_cache = per_layer
+    def layer(carry, per_layer):
+        x, kv_cache = carry
+        p, layer_index = per_layer
         h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
         q = project(h, p["wq"], p.get("bq")).reshape(batch, seq, c.num_heads, c.head_dim)
         k = project(h, p["wk"], p.get("bk")).reshape(batch, seq, c.num_kv_heads, c.head_dim)
@@ -82,13 +85,14 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
             k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        attn, layer_cache = attention(q, k, v, layer_cache)
+        attn, kv_cache = attention(q, k, v, kv_cache, layer_index)
         x = x + attn.reshape(batch, seq, c.num_heads * c.head_dim) @ p["wo"]
         h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
         x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-        return x, layer_cache
+        return (x, kv_cache), None
 
-    x, kv_cache = jax.lax.scan(layer, x, (params["layers"], kv_cache))
+    layer_indices = jnp.arange(c.num_layers, dtype=jnp.int32)
+    (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), (params["layers"], layer_indices))
     return rms_norm(x, params["final_norm"], c.rms_norm_eps), kv_cache
 
 
