@@ -1,0 +1,115 @@
+"""Attention over the paged KV cache in plain jnp (the "xla" backend).
+
+The engine flattens a step's tokens from many sequences into one row
+(prefill chunks and decode tokens together). Its cache is one pool of blocks
+per layer, (k_pool, v_pool) each [layers, num_blocks, block_size, KV, D]; a
+sequence's tokens live in the blocks its block table lists, token i at block
+table[i // block_size], slot i % block_size. Block 0 is the null block that
+padding points at.
+
+Per-token metadata (PagedAttentionMetadata):
+    slot_mapping [T]   flat pool slot (block * block_size + offset) each new token's K/V goes to
+    positions    [T]   position of each token in its sequence
+    token_seq    [T]   which batch sequence each token belongs to
+    block_tables [S, max_blocks]  (padded with the null block)
+    context_lens [S]   tokens in each sequence's cache after this step
+
+A token attends to its sequence's cached positions <= its own, which makes a
+prefill chunk causal with the mask aligned bottom-right (query i of a chunk
+of q_len sits at position context_len - q_len + i) and lets decode tokens and
+chunks share one call. Keys are visited a tile of blocks at a time with an
+online softmax, so memory stays O(T * tile) rather than O(T * context), and
+the loop stops at the longest context in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.models.attention import AttentionFn
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedAttentionMetadata:
+    slot_mapping: jax.Array
+    positions: jax.Array
+    token_seq: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+
+
+def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, sliding_window=None, tile_blocks=8):
+    """q [T, H, D]; k_pool, v_pool [num_blocks, block_size, KV, D] -> [T, H, D].
+
+    Tokens whose sequence has context_len 0 (padding) get zeros.
+    """
+    q, k_pool, v_pool = jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    group = num_heads // num_kv_heads
+    q = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * head_dim**-0.5
+    # Pad the tables to whole tiles with the null block (masked by position anyway).
+    max_blocks = meta.block_tables.shape[1]
+    padded_blocks = -(-max_blocks // tile_blocks) * tile_blocks
+    tables = jnp.pad(meta.block_tables, ((0, 0), (0, padded_blocks - max_blocks)))[meta.token_seq]  # [T, blocks]
+    tile_tokens = tile_blocks * block_size
+    num_tiles = (jnp.max(meta.context_lens) + tile_tokens - 1) // tile_tokens
+    positions = meta.positions
+    valid_query = meta.context_lens[meta.token_seq] > 0
+
+    def visit_tile(tile, carry):
+        running_max, denom, acc = carry
+        blocks = jax.lax.dynamic_slice_in_dim(tables, tile * tile_blocks, tile_blocks, axis=1)  # [T, tb]
+        k = k_pool[blocks].reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
+        v = v_pool[blocks].reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
+        key_pos = tile * tile_tokens + jnp.arange(tile_tokens)
+        mask = (key_pos[None, :] <= positions[:, None]) & valid_query[:, None]
+        if sliding_window is not None:
+            mask &= positions[:, None] - key_pos[None, :] < sliding_window
+        scores = jnp.einsum("tkgd,tskd->tkgs", q, k.astype(jnp.float32))
+        scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+        # Slots past a context (tail of its last block, null block) may hold
+        # anything, NaN included, and 0 * NaN is NaN: zero them out of V.
+        v = jnp.where(mask[:, :, None, None], v, 0)
+        new_max = jnp.maximum(running_max, scores.max(-1))
+        # Rows with nothing visible yet keep max -inf; shift by 0 there to avoid inf - inf.
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        probs = jnp.exp(scores - safe_max[..., None])
+        correction = jnp.exp(jnp.where(jnp.isfinite(running_max), running_max - safe_max, -jnp.inf))
+        denom = denom * correction + probs.sum(-1)
+        acc = acc * correction[..., None] + jnp.einsum("tkgs,tskd->tkgd", probs, v.astype(jnp.float32))
+        return new_max, denom, acc
+
+    init = (
+        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    _, denom, acc = jax.lax.fori_loop(0, num_tiles, visit_tile, init)
+    out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    return out.reshape(num_tokens, num_heads, head_dim)
+
+
+def write_kv(k_pool, v_pool, layer_index, k, v, slot_mapping):
+    """Scatter the new tokens' K/V [T, KV, D] into their slots of one layer,
+    in place on the donated pool [layers, blocks, block_size, KV, D]."""
+    layers, num_blocks, block_size = k_pool.shape[:3]
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    k_pool = k_pool.at[layer_index, block, offset].set(k.astype(k_pool.dtype))
+    v_pool = v_pool.at[layer_index, block, offset].set(v.astype(v_pool.dtype))
+    return k_pool, v_pool
+
+
+def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None) -> AttentionFn:
+    """The model-facing attention over the paged cache (batch dim 1, tokens flattened)."""
+
+    def attend(q, k, v, kv_cache, layer_index):
+        k_pool, v_pool = write_kv(*kv_cache, layer_index, k[0], v[0], meta.slot_mapping)
+        out = paged_attention_reference(q[0], k_pool[layer_index], v_pool[layer_index], meta, sliding_window)
+        return out[None].astype(q.dtype), (k_pool, v_pool)
+
+    return attend
