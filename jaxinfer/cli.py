@@ -32,8 +32,7 @@ def _generate(args) -> int:
         prompts = [llm.tokenizer.encode(t, add_special_tokens=False) for t in texts]
     else:
         prompts = [llm.tokenizer.encode(p) for p in args.prompts]
-    llm.warmup([len(p) for p in prompts], args.max_tokens)
-    compiled = time.perf_counter()
+    compiled = loaded  # LLM() compiles every bucket while it starts
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
     for prompt, output in zip(args.prompts, outputs):
@@ -44,10 +43,30 @@ def _generate(args) -> int:
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttft = outputs[0].metrics.time_to_first_token
     print(
-        f"[load {loaded - start:.1f}s, compile {compiled - loaded:.1f}s, first token {ttft * 1e3:.0f} ms, "
+        f"[load + compile {loaded - start:.1f}s, first token {ttft * 1e3:.0f} ms, "
         f"{num_tokens} tokens in {done - compiled:.2f}s = {num_tokens / (done - compiled):.1f} tok/s]",
         file=sys.stderr,
     )
+    return 0
+
+
+def _bench(args) -> int:
+    from jaxinfer import LLM
+    from jaxinfer.benchmark import print_and_save, run_latency, run_throughput, synthetic_requests
+
+    options = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.kind == "throughput":
+        options["scheduling_policy"] = args.scheduling_policy
+    llm = LLM(args.model, dtype=args.dtype, **options)
+    if args.kind == "throughput":
+        requests = synthetic_requests(llm.model.config.vocab_size, args.num_prompts, args.input_len, args.output_len,
+                                      args.range_ratio, args.prefix_len, args.seed)
+        result = run_throughput(llm, requests)
+    else:
+        result = run_latency(llm, args.batch_size, args.input_len, args.output_len)
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    print_and_save(f"bench {args.kind} ({llm.model.source})", {"config": config, **result}, args.json)
     return 0
 
 
@@ -64,6 +83,24 @@ def main(argv=None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the model's chat template")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=_generate)
+    bench = commands.add_parser("bench", help="synthetic throughput / latency benchmarks")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+    throughput = kinds.add_parser("throughput", help="offline throughput of many requests")
+    latency = kinds.add_parser("latency", help="prefill and decode time of one batch")
+    for p in (throughput, latency):
+        _add_model_args(p)
+        p.add_argument("--input-len", type=int, default=128)
+        p.add_argument("--output-len", type=int, default=64)
+        p.add_argument("--max-num-seqs", type=int, default=None)
+        p.add_argument("--max-num-batched-tokens", type=int, default=None)
+        p.add_argument("--json", default=None, metavar="PATH")
+    throughput.add_argument("--num-prompts", type=int, default=64)
+    throughput.add_argument("--range-ratio", type=float, default=0.0)
+    throughput.add_argument("--prefix-len", type=int, default=0)
+    throughput.add_argument("--scheduling-policy", choices=["continuous", "static"], default="continuous")
+    throughput.add_argument("--seed", type=int, default=0)
+    latency.add_argument("--batch-size", type=int, default=8)
+    bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

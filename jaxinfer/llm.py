@@ -1,16 +1,15 @@
-"""`LLM`: the offline entry point, with vLLM's names (generate, chat)."""
+"""`LLM`: the offline entry point, with vLLM's names (generate, chat, stream)."""
 
 from __future__ import annotations
 
 import itertools
-import time
 
 from tqdm.auto import tqdm
 
+from jaxinfer.engine.engine import EngineConfig, LLMEngine
 from jaxinfer.model import load
-from jaxinfer.outputs import RequestMetrics, RequestOutput
+from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.simple_generator import SimpleGenerator
 
 # Cap for the default max_model_len: a model's advertised context (often 32k+)
 # would size caches far beyond what a laptop run needs.
@@ -18,22 +17,27 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 class LLM:
-    """LLM(model=None, dtype="float32", max_model_len=None, progress=True).
+    """LLM(model=None, *, dtype="float32", progress=True, **engine_options).
 
     model: None (the embedded SmolLM2-135M-Instruct), a HF directory or a .gguf file.
+    engine_options: max_model_len, block_size, num_kv_blocks, kv_cache_memory_fraction,
+    max_num_seqs, max_num_batched_tokens, enable_prefix_caching, scheduling_policy.
     """
 
-    def __init__(self, model=None, *, dtype: str = "float32", max_model_len: int | None = None, progress=True):
+    def __init__(self, model=None, *, dtype: str = "float32", progress: bool = True, **engine_options):
         self.model = load(model, dtype=dtype, progress=progress)
         self.tokenizer = self.model.tokenizer
-        limit = self.model.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = min(limit, DEFAULT_MAX_MODEL_LEN)
-        elif not isinstance(max_model_len, int) or max_model_len < 2:
-            raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
-        self.max_model_len = max_model_len
-        self._generator = SimpleGenerator(self.model, max_model_len)
-        self._request_counter = itertools.count()
+        if engine_options.get("max_model_len") is None:
+            engine_options["max_model_len"] = min(self.model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        try:
+            config = EngineConfig(**engine_options)
+        except TypeError:
+            known = set(EngineConfig.__dataclass_fields__)
+            unknown = sorted(set(engine_options) - known)
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}") from None
+        self.max_model_len = config.max_model_len
+        self.engine = LLMEngine(self.model, config, progress=progress)
+        self._request_ids = itertools.count()
 
     # -- prompts -----------------------------------------------------------
     def _normalize_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
@@ -80,27 +84,23 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        # Check every prompt before submitting any, so a bad one fails the
+        # call without leaving the others half-run in the engine.
         for i, (_, token_ids) in enumerate(prompts):
             self._check_prompt(i, token_ids)
-        results = []
-        for (text, token_ids), params in tqdm(
-            list(zip(prompts, sampling_params)), desc="generating", unit="prompt", disable=not use_tqdm
-        ):
-            metrics = RequestMetrics(arrival_time=time.perf_counter())
-            metrics.first_scheduled_time = metrics.arrival_time
-            outputs = [self._generator.generate(token_ids, params, i, metrics) for i in range(params.n)]
-            metrics.finished_time = metrics.last_token_time = time.perf_counter()
-            results.append(
-                RequestOutput(
-                    request_id=str(next(self._request_counter)),
-                    prompt=text,
-                    prompt_token_ids=token_ids,
-                    outputs=outputs,
-                    finished=True,
-                    metrics=metrics,
-                )
-            )
-        return results
+        order = []
+        for (text, token_ids), params in zip(prompts, sampling_params):
+            request_id = f"generate-{next(self._request_ids)}"
+            self.engine.add_request(request_id, token_ids, params, prompt=text)
+            order.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
+            while len(finished) < len(order):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update()
+        return [finished[r] for r in order]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """messages: one conversation (list of {"role", "content"}) or a list of them."""
@@ -112,8 +112,29 @@ class LLM:
         prompts = [(text, self.tokenizer.encode(text, add_special_tokens=False)) for text in texts]
         return self._generate(prompts, sampling_params, use_tqdm)
 
-    def warmup(self, prompt_lengths, max_tokens: int, progress: bool = True) -> None:
-        """Compile the programs these requests need, with a progress bar."""
-        steps = [step for n in sorted(set(prompt_lengths)) for step in self._generator.warmup(n, max_tokens)]
-        for step in tqdm(steps, desc="compiling", unit="program", disable=not progress, leave=False):
-            step()
+    def stream(self, prompt, sampling_params=None):
+        """Yield text deltas of one prompt's first completion as tokens arrive.
+
+        Other requests already in the engine keep running alongside it."""
+        ((text, token_ids),) = self._normalize_prompts([prompt] if isinstance(prompt, str) else prompt)
+        self._check_prompt(0, token_ids)
+        request_id = f"stream-{next(self._request_ids)}"
+        params = sampling_params or SamplingParams()
+        self.engine.add_request(request_id, token_ids, params, prompt=text)
+        # Hold back a possible stop-string prefix until it is known not to be one.
+        hold = max((len(s) for s in params.stop or ()), default=1) - 1
+        emitted = 0
+        while True:
+            for output in self.engine.step():
+                if output.request_id != request_id:
+                    continue
+                completion = output.outputs[0]
+                final = len(completion.text) if output.finished else len(completion.text) - hold
+                if final > emitted:
+                    yield completion.text[emitted:final]
+                    emitted = final
+                if output.finished:
+                    return
+
+    def stats(self) -> dict:
+        return self.engine.stats()

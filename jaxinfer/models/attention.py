@@ -53,31 +53,3 @@ def full_sequence_attention(positions, sliding_window=None) -> AttentionFn:
         return attention_reference(q, k, v, positions, positions, sliding_window=sliding_window), kv_cache
 
     return attend
-
-
-def contiguous_cache_attention(positions, sliding_window=None) -> AttentionFn:
-    """Attention over a contiguous per-sequence cache: (k, v), each
-    [layers, B, max_len, KV, D].
-
-    The new tokens of row b occupy cache slots positions[b, 0] ... + T - 1
-    (one contiguous run per row, as in prefill or single-token decode); they
-    are written first, then every query attends to the slots at or before its
-    position. Slots past a row's length hold stale data but are masked by the
-    position rule. The caller guarantees positions[b, 0] + T <= max_len
-    (dynamic_update_slice would otherwise clamp and shift the write).
-    """
-
-    def attend(q, k, v, kv_cache, layer_index):
-        k_cache, v_cache = kv_cache
-        batch, max_len = k_cache.shape[1], k_cache.shape[2]
-        for b in range(batch):  # static and small: one in-place update per row
-            start = (layer_index, b, positions[b, 0], 0, 0)
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k[b][None, None].astype(k_cache.dtype), start)
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v[b][None, None].astype(v_cache.dtype), start)
-        slots = jnp.broadcast_to(jnp.arange(max_len), (batch, max_len))
-        out = attention_reference(
-            q, k_cache[layer_index], v_cache[layer_index], positions, slots, sliding_window=sliding_window
-        )
-        return out, (k_cache, v_cache)
-
-    return attend

@@ -42,14 +42,20 @@ class PagedAttentionMetadata:
     context_lens: jax.Array
 
 
-def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, sliding_window=None, tile_blocks=8):
+def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, sliding_window=None, tile_blocks=8,
+                              layer_index=None):
     """q [T, H, D]; k_pool, v_pool [num_blocks, block_size, KV, D] -> [T, H, D].
 
+    With `layer_index`, the pools are the whole cache [layers, num_blocks, ...]
+    and tiles are gathered straight from it: slicing out the layer first
+    would copy the layer's entire pool every step.
     Tokens whose sequence has context_len 0 (padding) get zeros.
     """
+    if layer_index is None:
+        k_pool, v_pool, layer_index = k_pool[None], v_pool[None], 0
     q, k_pool, v_pool = jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool)
     num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    block_size, num_kv_heads = k_pool.shape[2], k_pool.shape[3]
     group = num_heads // num_kv_heads
     q = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * head_dim**-0.5
     # Pad the tables to whole tiles with the null block (masked by position anyway).
@@ -64,8 +70,8 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
     def visit_tile(tile, carry):
         running_max, denom, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(tables, tile * tile_blocks, tile_blocks, axis=1)  # [T, tb]
-        k = k_pool[blocks].reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
-        v = v_pool[blocks].reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
+        k = k_pool[layer_index, blocks].reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
+        v = v_pool[layer_index, blocks].reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
         key_pos = tile * tile_tokens + jnp.arange(tile_tokens)
         mask = (key_pos[None, :] <= positions[:, None]) & valid_query[:, None]
         if sliding_window is not None:
@@ -109,7 +115,7 @@ def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None) -> 
 
     def attend(q, k, v, kv_cache, layer_index):
         k_pool, v_pool = write_kv(*kv_cache, layer_index, k[0], v[0], meta.slot_mapping)
-        out = paged_attention_reference(q[0], k_pool[layer_index], v_pool[layer_index], meta, sliding_window)
+        out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index)
         return out[None].astype(q.dtype), (k_pool, v_pool)
 
     return attend

@@ -1,0 +1,111 @@
+"""`jaxinfer bench throughput|latency`: synthetic offline workloads.
+
+Throughput follows vLLM's benchmark definitions: TTFT = first token time -
+arrival; TPOT = (finish - first token) / (output tokens - 1); requests/s and
+tokens/s over the wall time from the first submission to the last finish.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from jaxinfer.sampling_params import SamplingParams
+
+
+def _lengths(rng, mean: int, range_ratio: float, count: int) -> list[int]:
+    low = max(1, int(mean * (1 - range_ratio)))
+    high = max(low, int(mean * (1 + range_ratio)))
+    return [int(n) for n in rng.integers(low, high + 1, count)]
+
+
+def synthetic_requests(vocab_size, num_prompts, input_len, output_len, range_ratio=0.0, prefix_len=0,
+                       seed=0, output_lens=None):
+    """(prompt token ids, SamplingParams) pairs: random tokens, optional shared prefix."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab_size, prefix_len).tolist()
+    inputs = _lengths(rng, input_len, range_ratio, num_prompts)
+    outputs = output_lens or _lengths(rng, output_len, range_ratio, num_prompts)
+    return [
+        (prefix + rng.integers(0, vocab_size, n).tolist(), SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+        for n, m in zip(inputs, outputs)
+    ]
+
+
+def _summary(values_s: list[float]) -> dict:
+    ms = np.asarray([v for v in values_s if v is not None]) * 1e3
+    if ms.size == 0:
+        return {"mean_ms": None, "median_ms": None, "p99_ms": None}
+    return {"mean_ms": float(ms.mean()), "median_ms": float(np.median(ms)), "p99_ms": float(np.percentile(ms, 99))}
+
+
+def run_throughput(llm, requests) -> dict:
+    engine = llm.engine
+    stats_before = engine.stats()
+    start = time.perf_counter()
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"bench-{start}-{i}", prompt, params)
+    finished = []
+    while engine.has_unfinished():
+        finished += [o for o in engine.step() if o.finished]
+    wall = time.perf_counter() - start
+    stats = engine.stats()
+    num_out = sum(len(o.outputs[0].token_ids) for o in finished)
+    num_in = sum(len(o.prompt_token_ids) for o in finished)
+    host = stats["host_time_s"] - stats_before["host_time_s"]
+    device = stats["device_time_s"] - stats_before["device_time_s"]
+    return {
+        "num_requests": len(finished),
+        "wall_s": wall,
+        "requests_per_s": len(finished) / wall,
+        "output_tokens_per_s": num_out / wall,
+        "total_tokens_per_s": (num_in + num_out) / wall,
+        "ttft": _summary([o.metrics.time_to_first_token for o in finished]),
+        "tpot": _summary([o.metrics.time_per_output_token for o in finished]),
+        "prefix_cache_hit_rate": (stats["prefix_cache_hits"] - stats_before["prefix_cache_hits"])
+        / max(1, stats["prefix_cache_queries"] - stats_before["prefix_cache_queries"]),
+        "num_preemptions": stats["num_preemptions"] - stats_before["num_preemptions"],
+        "host_share_of_step_time": host / max(1e-9, host + device),
+        "compilations_during_run": stats["num_compilations"] - stats_before["num_compilations"],
+    }
+
+
+def run_latency(llm, batch_size: int, input_len: int, output_len: int, seed=0) -> dict:
+    """One batch: time of the step(s) that prefill it, then the mean decode step."""
+    engine = llm.engine
+    requests = synthetic_requests(llm.model.config.vocab_size, batch_size, input_len, output_len, seed=seed)
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"latency-{time.perf_counter()}-{i}", prompt, params)
+    prefill_steps, decode_steps = [], []
+    while engine.has_unfinished():
+        prefilling = any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.waiting) or any(
+            s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running
+        )
+        t = time.perf_counter()
+        engine.step()
+        (prefill_steps if prefilling else decode_steps).append(time.perf_counter() - t)
+    return {
+        "batch_size": batch_size,
+        "input_len": input_len,
+        "output_len": output_len,
+        "prefill_s": float(sum(prefill_steps)),
+        "prefill_steps": len(prefill_steps),
+        "decode_step_ms_mean": float(np.mean(decode_steps) * 1e3) if decode_steps else None,
+        "decode_tokens_per_s": batch_size / float(np.mean(decode_steps)) if decode_steps else None,
+    }
+
+
+def print_and_save(title: str, result: dict, json_path: str | None) -> None:
+    print(title)
+    for key, value in result.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, float):
+            value = f"{value:.3f}"
+        print(f"  {key:<28} {value}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {json_path}")

@@ -1,0 +1,114 @@
+"""Continuous-batching scheduler (host): which sequences run this step, with
+how many tokens, and who is preempted when the KV cache runs out.
+
+The rule, after vLLM v1: every running sequence is owed
+`num_tokens - num_computed_tokens` tokens (a prompt chunk or one decode
+token). Each step pays running sequences first, oldest first, then admits
+waiting ones, all within `max_num_batched_tokens` and `max_num_seqs`; a prompt
+that does not fit the remaining budget is chunked, so a long prompt never
+stalls the sequences already decoding. When a sequence needs a block and none
+is free, the newest running sequence is preempted by recompute: its blocks are
+freed and it goes back to the front of the queue with its output kept, to be
+recomputed (often from the prefix cache) when there is room again.
+
+`policy="static"` is a benchmark baseline: admit a batch only when nothing is
+running, then run it until every member finishes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.request import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    sequences: list[Sequence]
+    num_new_tokens: list[int]
+
+    def __len__(self):
+        return len(self.sequences)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, policy="continuous"):
+        if policy not in ("continuous", "static"):
+            raise ValueError(f"scheduling_policy must be 'continuous' or 'static', got {policy!r}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        counts: list[int] = []
+        preempted = False
+        # Oldest first; victims are taken from the end (newest).
+        self.running.sort(key=lambda s: s.arrival_order)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(seq)
+                counts.append(num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq itself was preempted: nothing after it remains running
+        admit = not preempted and (self.policy == "continuous" or not self.running)
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self.block_manager.block_table(seq.seq_id) == []:
+                cached = self.block_manager.allocate_prefix(seq.seq_id, seq.token_ids())
+                seq.num_computed_tokens = cached
+                if seq.num_cached_tokens < 0:
+                    seq.num_cached_tokens = cached
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+                # Give back the prefix blocks so they do not sit idle while it waits.
+                self.block_manager.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(seq)
+            counts.append(num_new)
+            budget -= num_new
+        return ScheduledBatch(scheduled, counts)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.seq_id)

@@ -1,0 +1,150 @@
+"""The engine: continuous batching, chunked prefill, preemption, prefix
+caching and bucketed compilation, checked against one-request-at-a-time
+uncached forwards of the same model."""
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.engine import RequestError
+from tests.tiny_models import make_hf_model, save_hf_model
+
+SMALL_ENGINE = dict(max_model_len=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(save_hf_model(make_hf_model("llama", seed=21), tmp_path_factory.mktemp("engine")))
+
+
+@pytest.fixture(scope="module")
+def workload():
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 128, int(n)).tolist() for n in rng.integers(1, 60, 32)]
+    max_tokens = [int(m) for m in rng.integers(1, 20, 32)]
+    return prompts, max_tokens
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir, workload):
+    """Greedy tokens from uncached full-sequence forwards, one request at a time."""
+    llm = LLM(tiny_dir, progress=False, **SMALL_ENGINE)
+    expected = []
+    for prompt, n in zip(*workload):
+        tokens = list(prompt)
+        for _ in range(n):
+            tokens.append(int(llm.model.logits(tokens)[-1].argmax()))
+        expected.append(tokens[len(prompt):])
+    return expected
+
+
+def greedy(n):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(SMALL_ENGINE),  # chunked prefill: 32-token budget, prompts up to 59
+        dict(SMALL_ENGINE, num_kv_blocks=24),  # 23 usable blocks of 4 tokens: forces preemption
+        dict(SMALL_ENGINE, scheduling_policy="static"),
+        dict(SMALL_ENGINE, enable_prefix_caching=False),
+    ],
+    ids=["chunked", "preemption", "static", "no-prefix-cache"],
+)
+def test_batched_equals_sequential(tiny_dir, workload, reference, options):
+    llm = LLM(tiny_dir, progress=False, **options)
+    prompts, max_tokens = workload
+    outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+    for out, expected in zip(outputs, reference):
+        assert out.outputs[0].token_ids == expected
+        assert out.outputs[0].finish_reason == "length"
+    stats = llm.stats()
+    if options.get("num_kv_blocks"):
+        assert stats["num_preemptions"] > 0
+    assert stats["kv_blocks_used"] == 0  # everything freed at the end
+    # Every compilation happened at warm-up, none for the workload.
+    assert stats["num_compilations"] == len(llm.engine.runner.programs())
+
+
+def test_seeded_sampling_independent_of_batch(tiny_dir):
+    llm = LLM(tiny_dir, progress=False, **SMALL_ENGINE)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=12, seed=42, ignore_eos=True)
+    alone = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    rng = np.random.default_rng(1)
+    others = [rng.integers(0, 128, int(n)).tolist() for n in rng.integers(1, 40, 6)]
+    mixed = llm.generate(
+        others[:3] + [[1, 2, 3]] + others[3:],
+        [SamplingParams(temperature=0.8, max_tokens=9, ignore_eos=True)] * 3 + [params]
+        + [SamplingParams(temperature=1.2, max_tokens=5, ignore_eos=True)] * 3,
+        use_tqdm=False,
+    )
+    assert mixed[3].outputs[0].token_ids == alone
+    other_seed = llm.generate([[1, 2, 3]], SamplingParams(**{**params.__dict__, "seed": 43}), use_tqdm=False)
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_prefix_cache_hits_and_same_tokens(tiny_dir):
+    prefix = list(range(10, 50))  # 40 tokens = 10 full blocks of 4
+    prompts = [prefix + [1, 2], prefix + [3], prefix + [4, 5, 6]]
+    cached = LLM(tiny_dir, progress=False, **SMALL_ENGINE)
+    first = cached.generate([prompts[0]], greedy(6), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    rest = cached.generate(prompts[1:], greedy(6), use_tqdm=False)
+    assert all(r.num_cached_tokens == 40 for r in rest)
+    stats = cached.stats()
+    assert stats["prefix_cache_hits"] >= 80 and stats["prefix_cache_queries"] >= sum(map(len, prompts))
+    uncached = LLM(tiny_dir, progress=False, **dict(SMALL_ENGINE, enable_prefix_caching=False))
+    plain = uncached.generate(prompts, greedy(6), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in [first] + rest] == [o.outputs[0].token_ids for o in plain]
+    assert all(o.num_cached_tokens == 0 for o in plain)
+
+
+def test_bad_requests_fail_alone(tiny_dir):
+    llm = LLM(tiny_dir, progress=False, **dict(SMALL_ENGINE, num_kv_blocks=16))
+    engine = llm.engine
+    engine.add_request("good", [1, 2, 3], greedy(5))
+    cases = {
+        "empty": ([], greedy(3), "prompt is empty"),
+        "long": ([1] * 128, greedy(3), "max_model_len=128"),
+        "vocab": ([1, 999], greedy(3), "outside the vocabulary"),
+        "huge": ([1] * 40, greedy(80), "needs 30 KV blocks"),
+    }
+    for request_id, (prompt, params, match) in cases.items():
+        with pytest.raises(RequestError, match=match):
+            engine.add_request(request_id, prompt, params)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [o.request_id for o in outputs if o.finished] == ["good"]
+    assert len(outputs[-1].outputs[0].token_ids) == 5
+
+
+def test_abort_frees_blocks(tiny_dir):
+    llm = LLM(tiny_dir, progress=False, **SMALL_ENGINE)
+    engine = llm.engine
+    engine.add_request("a", list(range(30)), greedy(50))
+    engine.add_request("b", list(range(5)), greedy(3))
+    engine.step()
+    aborted = engine.abort("a")
+    assert aborted.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_parallel_sampling_n(tiny_dir):
+    llm = LLM(tiny_dir, progress=False, **SMALL_ENGINE)
+    out = llm.generate([list(range(20))], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_stream_deltas_equal_generate_text(default_llm):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    deltas = list(default_llm.stream("The capital of France is", params))
+    text = default_llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].text
+    assert len(deltas) > 1 and "".join(deltas) == text
