@@ -141,6 +141,8 @@ def test_parallel_sampling_n(tiny_dir):
                        use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # The 3 siblings reuse completion 0's 4 full prompt blocks (16 of 20 tokens).
+    assert llm.stats()["prefix_cache_hits"] == 3 * 16
 
 
 def test_stream_deltas_equal_generate_text(default_llm):

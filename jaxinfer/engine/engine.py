@@ -185,6 +185,7 @@ class LLMEngine:
                                         logprobs=[] if params.logprobs is not None else None),
                 detokenizer=self.tokenizer.detokenizer(prompt_token_ids) if self.tokenizer else None,
                 eos_token_ids=eos,
+                leader=sequences[0] if sequences else None,
             )
             if params.logprobs is not None:
                 seq.output.cumulative_logprob = 0.0

@@ -39,6 +39,10 @@ class Sequence:
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache, set on first scheduling
     status: SequenceStatus = SequenceStatus.WAITING
     eos_token_ids: frozenset = field(default_factory=frozenset)
+    # For completions 1..n-1 of a request: completion 0, whose computed prompt
+    # blocks they wait for so the prefix cache shares them instead of each
+    # sibling computing the prompt again.
+    leader: "Sequence | None" = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -85,6 +85,8 @@ class Scheduler:
         admit = not preempted and (self.policy == "continuous" or not self.running)
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._waits_for_leader(seq):
+                break
             if self.block_manager.block_table(seq.seq_id) == []:
                 cached = self.block_manager.allocate_prefix(seq.seq_id, seq.token_ids())
                 seq.num_computed_tokens = cached
@@ -103,6 +105,17 @@ class Scheduler:
             counts.append(num_new)
             budget -= num_new
         return ScheduledBatch(scheduled, counts)
+
+    def _waits_for_leader(self, seq: Sequence) -> bool:
+        """n > 1: hold a sibling back until completion 0 has computed the
+        prompt's full blocks, which it then gets from the prefix cache."""
+        leader = seq.leader
+        return (
+            leader is not None
+            and self.block_manager.enable_prefix_caching
+            and leader.status is SequenceStatus.RUNNING
+            and leader.num_computed_tokens < len(seq.prompt_token_ids)
+        )
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""
