@@ -60,19 +60,6 @@ class LLM:
                 raise ValueError(f"prompt {i} is neither a string nor a list of token ids")
         return normalized
 
-    def _check_prompt(self, i: int, token_ids: list[int]) -> None:
-        vocab = self.model.config.vocab_size
-        if not token_ids:
-            raise ValueError(f"prompt {i} is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt {i} has {len(token_ids)} tokens, which leaves no room to generate "
-                f"within max_model_len={self.max_model_len}"
-            )
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-
     # -- generation ----------------------------------------------------------
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         return self._generate(self._normalize_prompts(prompts), sampling_params, use_tqdm)
@@ -86,8 +73,8 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
         # Check every prompt before submitting any, so a bad one fails the
         # call without leaving the others half-run in the engine.
-        for i, (_, token_ids) in enumerate(prompts):
-            self._check_prompt(i, token_ids)
+        for i, ((_, token_ids), params) in enumerate(zip(prompts, sampling_params)):
+            self.engine.validate(f"prompt {i}", token_ids, params)
         order = []
         for (text, token_ids), params in zip(prompts, sampling_params):
             request_id = f"generate-{next(self._request_ids)}"
@@ -117,7 +104,6 @@ class LLM:
 
         Other requests already in the engine keep running alongside it."""
         ((text, token_ids),) = self._normalize_prompts([prompt] if isinstance(prompt, str) else prompt)
-        self._check_prompt(0, token_ids)
         request_id = f"stream-{next(self._request_ids)}"
         params = sampling_params or SamplingParams()
         self.engine.add_request(request_id, token_ids, params, prompt=text)

@@ -103,8 +103,8 @@ def short_context_llm(tmp_path_factory):
 @pytest.mark.parametrize(
     "prompts,match",
     [
-        ([[]], "prompt 0 is empty"),
-        ([[1, 2], [1] * 64], "prompt 1 has 64 tokens.*max_model_len=64"),
+        ([[]], "prompt 0: prompt is empty"),
+        ([[1, 2], [1] * 64], "prompt 1: prompt has 64 tokens.*max_model_len=64"),
         ([[1, 200, 2]], r"outside the vocabulary \[0, 128\): \[200\]"),
         ([[1], [2.5]], "prompt 1 is neither"),
         (["text"], "no tokenizer"),

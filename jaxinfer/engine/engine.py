@@ -139,33 +139,36 @@ class LLMEngine:
         self.device_time = 0.0
 
     # -- requests ------------------------------------------------------------
-    def _validate(self, request_id, prompt_token_ids, params: SamplingParams) -> None:
-        if request_id in self.requests:
-            raise RequestError(f"request {request_id}: id already in use")
+    def validate(self, name: str, prompt_token_ids, params: SamplingParams) -> None:
+        """Raise RequestError (message starting with `name`) if this request can
+        never be served: bad params type, empty or too long prompt, token ids
+        outside the vocabulary, or more KV blocks at full length than exist."""
         if not isinstance(params, SamplingParams):
-            raise RequestError(f"request {request_id}: sampling_params must be a SamplingParams")
+            raise RequestError(f"{name}: sampling_params must be a SamplingParams")
         if not prompt_token_ids:
-            raise RequestError(f"request {request_id}: prompt is empty")
+            raise RequestError(f"{name}: prompt is empty")
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"request {request_id}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise RequestError(f"{name}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if len(prompt_token_ids) >= self.config.max_model_len:
             raise RequestError(
-                f"request {request_id}: prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
+                f"{name}: prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
                 f"within max_model_len={self.config.max_model_len}"
             )
         longest = min(len(prompt_token_ids) + params.max_tokens, self.config.max_model_len)
         blocks = -(-longest // self.config.block_size)
         if blocks > self.block_manager.num_usable_blocks:
             raise RequestError(
-                f"request {request_id}: needs {blocks} KV blocks at full length ({longest} tokens) but the cache "
+                f"{name}: needs {blocks} KV blocks at full length ({longest} tokens) but the cache "
                 f"has {self.block_manager.num_usable_blocks}; lower max_tokens or raise num_kv_blocks"
             )
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt=None) -> None:
         prompt_token_ids = list(prompt_token_ids)
-        self._validate(request_id, prompt_token_ids, params)
+        if request_id in self.requests:
+            raise RequestError(f"request {request_id}: id already in use")
+        self.validate(f"request {request_id}", prompt_token_ids, params)
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         eos = frozenset() if params.ignore_eos or self.tokenizer is None else frozenset(self.tokenizer.eos_token_ids)
