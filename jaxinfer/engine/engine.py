@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.block_manager import BlockManager
-from jaxinfer.engine.request import Sequence, SequenceStatus
+from jaxinfer.engine.request import Sequence
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.model import Model
