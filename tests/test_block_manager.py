@@ -189,12 +189,18 @@ def test_duplicate_blocks_keep_the_existing_cache_entry():
     assert bm.allocate_prefix("c", prompt) == 4 and bm.block_table("c") == a_table[:2]
 
 
-def test_duplicate_takes_over_when_the_entry_is_evicted():
-    bm = BlockManager(num_blocks=5, block_size=2)
-    for seq_id in ("a", "b"):  # both admitted before either registered: both miss
+def compute_same_block_twice(bm):
+    """Sequences a and b both admitted before either registered, so both miss
+    and each computes its own copy of block [1, 1]."""
+    for seq_id in ("a", "b"):
         assert bm.allocate_prefix(seq_id, [1, 1, 0]) == 0 and bm.allocate(seq_id, 3)
     for seq_id in ("a", "b"):
         bm.cache_full_blocks(seq_id, [1, 1, 0], 3)
+
+
+def test_duplicate_takes_over_when_the_entry_is_evicted():
+    bm = BlockManager(num_blocks=5, block_size=2)
+    compute_same_block_twice(bm)
     b_head = bm.block_table("b")[0]
     bm.free("a")
     assert bm.allocate_prefix("c", [2] * 4) == 0 and bm.allocate("c", 4)  # evicts a's head
@@ -210,10 +216,7 @@ def test_duplicate_takes_over_when_the_entry_is_evicted():
 
 def test_duplicate_takes_over_on_reset():
     bm = BlockManager(num_blocks=8, block_size=2)
-    for seq_id in ("a", "b"):  # both admitted before either registered: both miss
-        assert bm.allocate_prefix(seq_id, [1, 1, 0]) == 0 and bm.allocate(seq_id, 3)
-    for seq_id in ("a", "b"):
-        bm.cache_full_blocks(seq_id, [1, 1, 0], 3)
+    compute_same_block_twice(bm)
     bm.free("a")
     bm.reset_prefix_cache()
     bm.check_invariants()
