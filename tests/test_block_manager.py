@@ -377,7 +377,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq_id, self.next_id = self.next_id, self.next_id + 1
         held = self._held_elsewhere(seq_id)
         free_before = self.bm.num_free_blocks
+        # The scheduler's look-before-admitting calls: no side effects, and they
+        # predict what allocate_prefix and then allocate will do.
+        predicted_cached = self.bm.cached_prefix_len(token_ids)
+        predicted_fits = self.bm.can_admit(token_ids, len(token_ids))
+        assert self.bm.num_free_blocks == free_before
+        assert (self.bm.prefix_cache_queries, self.bm.prefix_cache_hits) == (self.queries, self.hits)
         cached = self.bm.allocate_prefix(seq_id, token_ids)
+        assert cached == predicted_cached
+        assert predicted_fits == (self.bm.num_blocks_needed(seq_id, len(token_ids)) <= self.bm.num_free_blocks)
         table = self.bm.block_table(seq_id)
         assert cached % self.bs == 0 and len(table) == cached // self.bs
         if self.caching:

@@ -93,11 +93,25 @@ def test_prefix_cache_hits_and_same_tokens(tiny_dir):
     rest = cached.generate(prompts[1:], greedy(6), use_tqdm=False)
     assert all(r.num_cached_tokens == 40 for r in rest)
     stats = cached.stats()
-    assert stats["prefix_cache_hits"] >= 80 and stats["prefix_cache_queries"] >= sum(map(len, prompts))
+    assert stats["prefix_cache_hits"] == 80 and stats["prefix_cache_queries"] == sum(map(len, prompts))
     uncached = LLM(tiny_dir, progress=False, **dict(SMALL_ENGINE, enable_prefix_caching=False))
     plain = uncached.generate(prompts, greedy(6), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in [first] + rest] == [o.outputs[0].token_ids for o in plain]
     assert all(o.num_cached_tokens == 0 for o in plain)
+
+
+def test_waiting_request_counts_one_prefix_query(tiny_dir):
+    """A request that waits for blocks is looked up but not admitted each step:
+    it must hold no blocks meanwhile and count as one query, when admitted."""
+    llm = LLM(tiny_dir, progress=False, **dict(SMALL_ENGINE, num_kv_blocks=16))  # 15 blocks = 60 tokens
+    # 32 + 20 tokens = 13 blocks each, so one at a time; the first prompt fills the
+    # first step's 32-token budget, so the second is not admitted with a small chunk.
+    prompts = [list(range(1, 33)), list(range(33, 65))]
+    outputs = llm.generate(prompts, greedy(20), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outputs)
+    stats = llm.stats()
+    assert stats["num_preemptions"] == 0
+    assert stats["prefix_cache_queries"] == 64 and stats["prefix_cache_hits"] == 0
 
 
 def test_bad_requests_fail_alone(tiny_dir):

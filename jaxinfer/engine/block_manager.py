@@ -106,29 +106,51 @@ class BlockManager:
                 block_id = None
         return block_hash, block_id
 
+    def _cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """The longest cached run of the sequence's leading full blocks (block
+        ids and chain hashes), without taking them or counting the lookup."""
+        table: list[int] = []
+        hashes: list[bytes] = []
+        if not self.enable_prefix_caching:
+            return table, hashes
+        bs = self.block_size
+        # At least one token must be left to compute: its logits are what
+        # the step samples from, and a zero-length prefill breaks the step.
+        for i in range(max(0, (len(token_ids) - 1) // bs)):
+            parent_hash = hashes[-1] if hashes else None
+            block_hash, block_id = self._lookup(parent_hash, tuple(token_ids[i * bs : (i + 1) * bs]))
+            if block_id is None:
+                break
+            table.append(block_id)
+            hashes.append(block_hash)
+        return table, hashes
+
+    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """Tokens allocate_prefix would serve from the cache now (no side effects)."""
+        return len(self._cached_prefix(token_ids)[0]) * self.block_size
+
+    def can_admit(self, token_ids: Sequence[int], num_tokens: int) -> bool:
+        """Whether allocate_prefix then allocate(num_tokens) would succeed for a
+        new sequence with these tokens. The scheduler asks first, so a request
+        that must wait neither takes blocks nor counts as a cache query."""
+        table, _ = self._cached_prefix(token_ids)
+        # Hit blocks nobody holds are counted as free now but stop being free once taken.
+        reused_free = sum(block_id in self._evictable for block_id in table)
+        needed = max(0, -(-num_tokens // self.block_size) - len(table))
+        return needed <= self.num_free_blocks - reused_free
+
     def allocate_prefix(self, seq_id, token_ids: Sequence[int]) -> int:
         """Register a new sequence and give it the longest cached run of its
         leading full blocks; returns the number of cached tokens."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has a block table")
-        table: list[int] = []
-        hashes: list[bytes] = []
+        table, hashes = self._cached_prefix(token_ids)
+        for block_id in table:
+            self._evictable.pop(block_id, None)
+            self._blocks[block_id].ref_count += 1
         if self.enable_prefix_caching:
-            bs = self.block_size
-            # At least one token must be left to compute: its logits are what
-            # the step samples from, and a zero-length prefill breaks the step.
-            for i in range(max(0, (len(token_ids) - 1) // bs)):
-                parent_hash = hashes[-1] if hashes else None
-                block_hash, block_id = self._lookup(parent_hash, tuple(token_ids[i * bs : (i + 1) * bs]))
-                if block_id is None:
-                    break
-                table.append(block_id)
-                hashes.append(block_hash)
-            for block_id in table:
-                self._evictable.pop(block_id, None)
-                self._blocks[block_id].ref_count += 1
             self.prefix_cache_queries += len(token_ids)
-            self.prefix_cache_hits += len(table) * bs
+            self.prefix_cache_hits += len(table) * self.block_size
         self._tables[seq_id] = table
         self._seq_hashes[seq_id] = hashes
         return len(table) * self.block_size

@@ -87,17 +87,18 @@ class Scheduler:
             seq = self.waiting[0]
             if self._waits_for_leader(seq):
                 break
-            if self.block_manager.block_table(seq.seq_id) == []:
-                cached = self.block_manager.allocate_prefix(seq.seq_id, seq.token_ids())
-                seq.num_computed_tokens = cached
-                if seq.num_cached_tokens < 0:
-                    seq.num_cached_tokens = cached
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new):
-                # Give back the prefix blocks so they do not sit idle while it waits.
-                self.block_manager.free(seq.seq_id)
-                seq.num_computed_tokens = 0
+            # Check before taking anything: a request that has to wait holds no
+            # blocks and counts as a prefix-cache query only once admitted.
+            bm, token_ids = self.block_manager, seq.token_ids()
+            cached = bm.cached_prefix_len(token_ids)
+            num_new = min(seq.num_tokens - cached, budget)
+            if not bm.can_admit(token_ids, cached + num_new):
                 break
+            seq.num_computed_tokens = bm.allocate_prefix(seq.seq_id, token_ids)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            if not bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new):
+                raise RuntimeError(f"block manager refused blocks can_admit promised to {seq.seq_id!r}")
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
