@@ -41,15 +41,58 @@ def _summary(values_s: list[float]) -> dict:
     return {"mean_ms": float(ms.mean()), "median_ms": float(np.median(ms)), "p99_ms": float(np.percentile(ms, 99))}
 
 
+class KVMemoryTracker:
+    """KV-cache occupancy sampled after every step, against what a contiguous
+    cache would hold for the same running batch.
+
+    Paged: blocks in use (a block shared by several sequences counts once)
+    times block_size, and the token slots those blocks leave empty.
+    Contiguous: each running request reserves max_model_len slots (what a
+    server that does not know output lengths must reserve), or at best
+    prompt + max_tokens (an oracle that knows each request's output budget).
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.samples: list[tuple[int, int, int, int]] = []  # (tokens, paged slots, max-len slots, oracle slots)
+
+    def sample(self) -> None:
+        engine = self.engine
+        running = engine.scheduler.running
+        if not running:
+            return
+        tokens = sum(s.num_computed_tokens for s in running)
+        paged = engine.block_manager.num_used_blocks * engine.config.block_size
+        max_len = len(running) * engine.config.max_model_len
+        oracle = sum(len(s.prompt_token_ids) + s.params.max_tokens for s in running)
+        self.samples.append((tokens, paged, max_len, oracle))
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        tokens, paged, max_len, oracle = np.asarray(self.samples, np.float64).sum(0)
+        return {
+            "steps_sampled": len(self.samples),
+            "peak_blocks_used": max(p for _, p, _, _ in self.samples) // self.engine.config.block_size,
+            # Averaged over steps (sums of slot-steps), so long phases weigh more.
+            "paged_slots_per_token": paged / tokens,
+            "paged_empty_slot_share": 1 - tokens / paged,
+            "contiguous_max_len_slots_per_token": max_len / tokens,
+            "contiguous_oracle_slots_per_token": oracle / tokens,
+        }
+
+
 def run_throughput(llm, requests) -> dict:
     engine = llm.engine
     stats_before = engine.stats()
+    memory = KVMemoryTracker(engine)
     start = time.perf_counter()
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"bench-{start}-{i}", prompt, params)
     finished = []
     while engine.has_unfinished():
         finished += [o for o in engine.step() if o.finished]
+        memory.sample()
     wall = time.perf_counter() - start
     stats = engine.stats()
     num_out = sum(len(o.outputs[0].token_ids) for o in finished)
@@ -69,6 +112,7 @@ def run_throughput(llm, requests) -> dict:
         "num_preemptions": stats["num_preemptions"] - stats_before["num_preemptions"],
         "host_share_of_step_time": host / max(1e-9, host + device),
         "compilations_during_run": stats["num_compilations"] - stats_before["num_compilations"],
+        "kv_memory": memory.summary(),
     }
 
 
