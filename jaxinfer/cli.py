@@ -11,6 +11,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "pallas_interpret"],
+                        help="default: pallas on GPU, xla elsewhere")
 
 
 def _generate(args) -> int:
@@ -25,7 +27,7 @@ def _generate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, attention_backend=args.attention_backend)
     loaded = time.perf_counter()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
@@ -52,9 +54,10 @@ def _bench(args) -> int:
     from jaxinfer.benchmark import print_and_save, run_latency, run_throughput, synthetic_requests
 
     options = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens)
+                   max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend)
     if args.kind == "throughput":
         options["scheduling_policy"] = args.scheduling_policy
+        options["enable_prefix_caching"] = not args.no_prefix_caching
     llm = LLM(args.model, dtype=args.dtype, **options)
     if args.kind == "throughput":
         requests = synthetic_requests(llm.model.config.vocab_size, args.num_prompts, args.input_len, args.output_len,
@@ -95,6 +98,7 @@ def main(argv=None) -> int:
     throughput.add_argument("--range-ratio", type=float, default=0.0)
     throughput.add_argument("--prefix-len", type=int, default=0)
     throughput.add_argument("--scheduling-policy", choices=["continuous", "static"], default="continuous")
+    throughput.add_argument("--no-prefix-caching", action="store_true", help="baseline for --prefix-len runs")
     throughput.add_argument("--seed", type=int, default=0)
     latency.add_argument("--batch-size", type=int, default=8)
     bench.set_defaults(func=_bench)

@@ -21,7 +21,8 @@ class LLM:
 
     model: None (the embedded SmolLM2-135M-Instruct), a HF directory or a .gguf file.
     engine_options: max_model_len, block_size, num_kv_blocks, kv_cache_memory_fraction,
-    max_num_seqs, max_num_batched_tokens, enable_prefix_caching, scheduling_policy.
+    max_num_seqs, max_num_batched_tokens, enable_prefix_caching, scheduling_policy,
+    attention_backend ("xla", "pallas", "pallas_interpret"; default pallas on GPU, xla elsewhere).
     """
 
     def __init__(self, model=None, *, dtype: str = "float32", progress: bool = True, **engine_options):

@@ -1,2 +1,13 @@
-"""Pallas kernels (paged decode attention, blockwise prefill attention,
-quantized matmul), each beside a plain-jnp reference. Arrive with issue 4."""
+"""Pallas kernels, each beside the plain-jnp reference it is tested against.
+
+paged_decode_attention   one to a few query tokens per sequence over the paged
+                         KV cache: GQA packing, split-k with a log-sum-exp merge,
+                         int8/fp8 K/V with per-token scales
+paged_prefill_attention  flash attention of ragged query chunks over the paged
+                         cache, causal mask aligned bottom-right
+
+Written for the Triton GPU lowering (JAX 0.10 and 0.11); tests run them with
+interpret=True on CPU. The engine reaches them through
+jaxinfer/models/paged_attention.py (attention_backend "pallas" /
+"pallas_interpret").
+"""

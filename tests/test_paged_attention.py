@@ -2,6 +2,8 @@
 numpy computation on dense per-sequence K/V, with unused pool blocks poisoned
 with NaN so that reading a wrong block fails the test."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +47,7 @@ def make_case(rng, num_seqs, block_size, num_kv_heads, group, head_dim, max_ctx_
         token_seq=token_seq,
         block_tables=tables,
         context_lens=context_lens.astype(np.int32),
+        query_start=np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int32),
     )
     return q, k_pool, v_pool, meta, dense_k, dense_v
 
@@ -87,6 +90,7 @@ def test_padding_tokens_give_zeros_without_nan():
         token_seq=np.append(meta.token_seq, 3).astype(np.int32),
         block_tables=np.vstack([meta.block_tables, np.zeros_like(meta.block_tables[:1])]),
         context_lens=np.append(meta.context_lens, 0).astype(np.int32),
+        query_start=np.append(meta.query_start, meta.query_start[-1]).astype(np.int32),
     )
     k_pool[0] = v_pool[0] = 0.0  # the null block holds whatever padding wrote; never NaN-producing
     q = np.vstack([q, rng.standard_normal((1,) + q.shape[1:]).astype(np.float32)])
@@ -94,29 +98,31 @@ def test_padding_tokens_give_zeros_without_nan():
     assert np.isfinite(out).all() and (out[-1] == 0).all()
 
 
-def test_chunked_prefill_through_paged_cache_equals_full_forward(tmp_path):
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+def test_chunked_prefill_through_paged_cache_equals_full_forward(tmp_path, backend):
     """Two sequences fed through the paged cache in ragged chunks (both in the
-    same calls, with scattered block tables) give the logits of a cache-free
-    full-sequence forward at every position."""
+    same calls, with scattered block tables, one pure-decode call among them)
+    give the logits of a cache-free full-sequence forward at every position,
+    with each attention backend."""
     import jaxinfer
     from tests.tiny_models import make_hf_model, save_hf_model
 
     model = jaxinfer.load(str(save_hf_model(make_hf_model("qwen3", seed=2), tmp_path)), progress=False)
     c, block_size = model.config, 4
     rng = np.random.default_rng(0)
-    seqs = [rng.integers(0, c.vocab_size, n).tolist() for n in (23, 9)]
+    seqs = [rng.integers(0, c.vocab_size, n).tolist() for n in (23, 12)]
     tables = np.array([[5, 2, 9, 1, 7, 11], [3, 10, 6, 0, 0, 0]], np.int32)
     pool_shape = (c.num_layers, 12, block_size, c.num_kv_heads, c.head_dim)
     cache = (jnp.full(pool_shape, jnp.nan), jnp.full(pool_shape, jnp.nan))
 
-    @jax.jit
-    def step(params, tokens, meta, cache):
-        attention = paged_cache_attention(meta)
+    @functools.partial(jax.jit, static_argnames="decode")
+    def step(params, tokens, meta, cache, decode):
+        attention = paged_cache_attention(meta, backend=backend, decode=decode)
         hidden, cache = forward(params, c, tokens[None], meta.positions[None], attention, cache)
         return compute_logits(params, hidden[0]), cache
 
     computed, got = [0, 0], [[], []]
-    for chunk in ([7, 9], [1, 0], [10, 0], [5, 0]):
+    for chunk, decode in (([7, 9], False), ([1, 1], True), ([10, 1], False), ([5, 1], False)):
         tokens, positions, token_seq, slots = [], [], [], []
         for s, n in enumerate(chunk):
             for pos in range(computed[s], computed[s] + n):
@@ -127,9 +133,9 @@ def test_chunked_prefill_through_paged_cache_equals_full_forward(tmp_path):
             computed[s] += n
         meta = PagedAttentionMetadata(
             np.array(slots, np.int32), np.array(positions, np.int32), np.array(token_seq, np.int32),
-            tables, np.array(computed, np.int32),
+            tables, np.array(computed, np.int32), np.concatenate([[0], np.cumsum(chunk)]).astype(np.int32),
         )
-        logits, cache = step(model.params, np.array(tokens, np.int32), meta, cache)
+        logits, cache = step(model.params, np.array(tokens, np.int32), meta, cache, decode)
         for i, s in enumerate(token_seq):
             got[s].append(np.asarray(logits[i]))
     for s in range(2):

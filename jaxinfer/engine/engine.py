@@ -22,6 +22,7 @@ from jaxinfer.engine.request import Sequence
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.model import Model
+from jaxinfer.models.paged_attention import ATTENTION_BACKENDS
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -51,12 +52,17 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
+    # None: "pallas" on GPU, "xla" elsewhere (see models/paged_attention.py).
+    attention_backend: str | None = None
 
     def __post_init__(self):
         platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
         seqs, tokens = _PLATFORM_DEFAULTS[platform]
         self.max_num_seqs = self.max_num_seqs or seqs
         self.max_num_batched_tokens = self.max_num_batched_tokens or tokens
+        self.attention_backend = self.attention_backend or ("pallas" if platform == "gpu" else "xla")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -128,7 +134,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             c, model.params, kv_cache, config.block_size, config.max_model_len,
-            config.max_num_seqs, config.max_num_batched_tokens,
+            config.max_num_seqs, config.max_num_batched_tokens, config.attention_backend,
         )
         self.runner.warmup(progress)
         self.requests: dict[str, _RequestState] = {}

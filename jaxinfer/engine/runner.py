@@ -3,7 +3,9 @@ one jitted step for its bucket on the device, and returns sampled tokens.
 
 Shapes are bucketed: the flattened token count to a power of two from 16 up
 to max_num_batched_tokens, the sequence count to a power of two from 8 up to
-max_num_seqs (plus exact buckets for pure-decode batches of 1, 2 and 4).
+max_num_seqs. Pure-decode steps (one new token per sequence) get their own
+buckets, (n, n) for n a power of two from 1 up to max_num_seqs: no padding
+tokens, and the Pallas backend serves them with its split-k decode kernel.
 A step is two jitted calls with the logits staying on the device between
 them: the model forward, compiled per (tokens, seqs) bucket, and the sampler,
 compiled per seqs bucket and per whether any sequence uses repetition/
@@ -48,9 +50,10 @@ def _uses_penalties(seq: Sequence) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv_cache",))
-def _forward_step(params, kv_cache, tokens, attn_meta, logits_indices, *, config: ModelConfig):
-    attention = paged_cache_attention(attn_meta, config.sliding_window)
+@functools.partial(jax.jit, static_argnames=("config", "backend", "decode"), donate_argnames=("kv_cache",))
+def _forward_step(params, kv_cache, tokens, attn_meta, logits_indices, *, config: ModelConfig, backend: str,
+                  decode: bool):
+    attention = paged_cache_attention(attn_meta, config.sliding_window, backend, decode)
     hidden, kv_cache = forward(params, config, tokens[None], attn_meta.positions[None], attention, kv_cache)
     # Logits only where a token is sampled: one row per sequence.
     return compute_logits(params, hidden[0][logits_indices]), kv_cache
@@ -64,43 +67,45 @@ def _sample_step(logits, sampling_meta, penalty_inputs, *, with_penalties: bool)
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params, kv_cache, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int):
+                 max_num_seqs: int, max_num_batched_tokens: int, attention_backend: str = "xla"):
         self.config = config
+        self.attention_backend = attention_backend
         self.params = params
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.token_buckets = _powers_of_two(16, max_num_batched_tokens)
         self.seq_buckets = _powers_of_two(8, max_num_seqs)
-        # Pure-decode batches of 1-4 sequences get exact (n, n) buckets: padding
-        # one decode token to 16 would multiply a memory-bound step's compute by 16.
-        self.small_decode_buckets = [n for n in (1, 2, 4) if n <= max_num_seqs]
+        # Padding one decode token to 16 would multiply a memory-bound step's compute by 16.
+        self.decode_buckets = _powers_of_two(1, max_num_seqs)
         self.compiled_programs: set = set()
         self.warmed_up = False
         self.num_compilations = 0
 
-    def buckets(self) -> list[tuple[int, int]]:
-        """(tokens, seqs) buckets of the forward program."""
-        pairs = [(n, n) for n in self.small_decode_buckets]
-        return pairs + [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]  # >= 1 token per seq
+    def buckets(self) -> list[tuple[int, int, bool]]:
+        """(tokens, seqs, decode) buckets of the forward program."""
+        decode = [(n, n, True) for n in self.decode_buckets]
+        # >= 1 token per sequence, so seqs <= tokens.
+        return decode + [(t, s, False) for t in self.token_buckets for s in self.seq_buckets if s <= t]
 
     def programs(self) -> list[tuple]:
         """Every program warm-up compiles: forward per bucket, sampler per seqs bucket and penalty flag."""
-        seq_sizes = sorted({s for _, s in self.buckets()})
-        return [("forward", t, s) for t, s in self.buckets()] + [
+        seq_sizes = sorted({s for _, s, _ in self.buckets()})
+        return [("forward", *bucket) for bucket in self.buckets()] + [
             ("sample", s, pen) for s in seq_sizes for pen in (False, True)
         ]
 
-    def bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        if num_tokens == num_seqs and num_seqs <= max(self.small_decode_buckets, default=0):
-            return bucket_size(num_seqs, 1), bucket_size(num_seqs, 1)
-        return bucket_size(num_tokens, 16), bucket_size(num_seqs, 8)
+    def bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int, bool]:
+        if num_tokens == num_seqs:
+            n = bucket_size(num_seqs, 1)
+            return n, n, True
+        return bucket_size(num_tokens, 16), bucket_size(num_seqs, 8), False
 
     def warmup(self, progress: bool = True) -> None:
         for program in tqdm(self.programs(), desc="compiling", unit="program", disable=not progress, leave=False):
             if program[0] == "forward":
-                _, num_tokens, num_seqs = program
-                self._forward(*self._dummy_forward_inputs(num_tokens, num_seqs))
+                _, num_tokens, num_seqs, decode = program
+                self._forward(*self._dummy_forward_inputs(num_tokens, num_seqs), decode)
             else:
                 _, num_seqs, with_penalties = program
                 sampling = SamplingMetadata.from_params([None] * num_seqs, [0] * num_seqs, [0] * num_seqs, num_seqs)
@@ -116,6 +121,7 @@ class ModelRunner:
             token_seq=np.zeros(num_tokens, np.int32),
             block_tables=np.zeros((num_seqs, self.max_blocks_per_seq), np.int32),
             context_lens=np.zeros(num_seqs, np.int32),
+            query_start=np.zeros(num_seqs + 1, np.int32),
         )
         return np.zeros(num_tokens, np.int32), meta, np.zeros(num_seqs, np.int32)
 
@@ -126,10 +132,11 @@ class ModelRunner:
             if self.warmed_up:
                 log.error("compilation after warm-up of %s: a shape escaped bucketing", program)
 
-    def _forward(self, tokens, meta, logits_indices):
-        self._count(("forward", len(tokens), len(logits_indices)))
+    def _forward(self, tokens, meta, logits_indices, decode: bool):
+        self._count(("forward", len(tokens), len(logits_indices), decode))
         logits, self.kv_cache = _forward_step(
-            self.params, self.kv_cache, tokens, meta, logits_indices, config=self.config
+            self.params, self.kv_cache, tokens, meta, logits_indices, config=self.config,
+            backend=self.attention_backend, decode=decode,
         )
         return logits
 
@@ -139,12 +146,12 @@ class ModelRunner:
 
     def run(self, inputs, with_penalties: bool):
         """One step on the device: forward, then sampling; returns the SamplerOutput (device arrays)."""
-        tokens, meta, logits_indices, sampling, penalties = inputs
-        return self._sample(self._forward(tokens, meta, logits_indices), sampling, penalties, with_penalties)
+        tokens, meta, logits_indices, decode, sampling, penalties = inputs
+        return self._sample(self._forward(tokens, meta, logits_indices, decode), sampling, penalties, with_penalties)
 
     def prepare(self, batch: ScheduledBatch, block_tables: list[list[int]]):
         """Host arrays for one step, padded to the batch's bucket."""
-        num_tokens, num_seqs = self.bucket(sum(batch.num_new_tokens), len(batch))
+        num_tokens, num_seqs, decode = self.bucket(sum(batch.num_new_tokens), len(batch))
         tokens = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         slots = np.zeros(num_tokens, np.int32)  # padding writes into the null block
@@ -152,6 +159,7 @@ class ModelRunner:
         tables = np.zeros((num_seqs, self.max_blocks_per_seq), np.int32)
         context_lens = np.zeros(num_seqs, np.int32)
         logits_indices = np.zeros(num_seqs, np.int32)
+        query_start = np.zeros(num_seqs + 1, np.int32)
         start = 0
         for i, (seq, num_new, table) in enumerate(zip(batch.sequences, batch.num_new_tokens, block_tables)):
             first = seq.num_computed_tokens
@@ -165,7 +173,9 @@ class ModelRunner:
             context_lens[i] = first + num_new
             logits_indices[i] = start + num_new - 1
             start += num_new
-        meta = PagedAttentionMetadata(slots, positions, token_seq, tables, context_lens)
+            query_start[i + 1] = start
+        query_start[len(batch) + 1 :] = start  # padding sequences own no rows
+        meta = PagedAttentionMetadata(slots, positions, token_seq, tables, context_lens, query_start)
         seqs = batch.sequences
         sampling = SamplingMetadata.from_params(
             [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs], num_seqs
@@ -176,4 +186,4 @@ class ModelRunner:
             penalties = make_penalty_inputs(
                 [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], self.config.vocab_size, num_seqs
             )
-        return (tokens, meta, logits_indices, sampling, penalties), with_penalties
+        return (tokens, meta, logits_indices, decode, sampling, penalties), with_penalties

@@ -13,6 +13,8 @@ Per-token metadata (PagedAttentionMetadata):
     token_seq    [T]   which batch sequence each token belongs to
     block_tables [S, max_blocks]  (padded with the null block)
     context_lens [S]   tokens in each sequence's cache after this step
+    query_start  [S+1] sequence s's new tokens are rows query_start[s]:query_start[s+1]
+                       (a sequence's tokens are contiguous; padding rows come last)
 
 A token attends to its sequence's cached positions <= its own, which makes a
 prefill chunk causal with the mask aligned bottom-right (query i of a chunk
@@ -40,6 +42,7 @@ class PagedAttentionMetadata:
     token_seq: jax.Array
     block_tables: jax.Array
     context_lens: jax.Array
+    query_start: jax.Array
 
 
 def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, sliding_window=None, tile_blocks=8,
@@ -110,12 +113,44 @@ def write_kv(k_pool, v_pool, layer_index, k, v, slot_mapping):
     return k_pool, v_pool
 
 
-def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None) -> AttentionFn:
-    """The model-facing attention over the paged cache (batch dim 1, tokens flattened)."""
+ATTENTION_BACKENDS = ("xla", "pallas", "pallas_interpret")
+
+
+def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, backend: str = "xla",
+                          decode: bool = False) -> AttentionFn:
+    """The model-facing attention over the paged cache (batch dim 1, tokens flattened).
+
+    backend "xla" is the plain-jnp tiled reference above. "pallas" runs the
+    Pallas kernels (GPU), "pallas_interpret" the same kernels in interpret mode
+    (any platform, for tests). `decode` is static: the step holds exactly one
+    new token per sequence (T == S, token i belongs to sequence i), which the
+    Pallas backend serves with the split-k decode kernel; other steps (prefill
+    chunks mixed with decode tokens) go to the ragged prefill kernel.
+    The new tokens' K/V are scattered into the donated pool first, in place.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
 
     def attend(q, k, v, kv_cache, layer_index):
         k_pool, v_pool = write_kv(*kv_cache, layer_index, k[0], v[0], meta.slot_mapping)
-        out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index)
+        if backend == "xla":
+            out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index)
+        else:
+            out = _pallas_attention(q[0], k_pool, v_pool, layer_index, meta, sliding_window, decode,
+                                    interpret=backend == "pallas_interpret")
         return out[None].astype(q.dtype), (k_pool, v_pool)
 
     return attend
+
+
+def _pallas_attention(q, k_pool, v_pool, layer_index, meta, sliding_window, decode, interpret):
+    # Imported here so the xla backend never needs the kernels' Pallas imports.
+    from pallas_kernels.paged_decode_attention import paged_decode_attention
+    from pallas_kernels.paged_prefill_attention import paged_prefill_attention
+
+    if decode:
+        out = paged_decode_attention(q[:, None], k_pool, v_pool, layer_index, meta.block_tables, meta.context_lens,
+                                     sliding_window=sliding_window, interpret=interpret)
+        return out[:, 0]
+    return paged_prefill_attention(q, k_pool, v_pool, layer_index, meta.block_tables, meta.context_lens,
+                                   meta.query_start, sliding_window=sliding_window, interpret=interpret)

@@ -1,0 +1,421 @@
+"""Paged decode attention as a Pallas kernel for the Triton GPU lowering, beside
+its plain-jnp reference.
+
+Layout (the engine's, fixed):
+  q             [S, Q, H, D]    Q query tokens per sequence; query i sits at
+                                position context_len - Q + i (Q = 1 for plain
+                                decode, a few for speculative verification).
+  k_pool/v_pool [L, N, B, KVH, D]  one pool for all layers; block 0 is the null
+                                block that padding points at.
+  k/v_scales    [L, N, B, KVH]  float32 per-token scales for int8 / fp8 pools.
+  block_tables  [S, max_blocks] token p of sequence s lives in block
+                                block_tables[s, p // B], slot p % B.
+  context_lens  [S]             tokens in the cache including this step's;
+                                0 marks a padding sequence (output zeros).
+
+Algorithm:
+  * GQA by packing: one program owns one KV head of one sequence and all
+    Q * group query rows that read it (row r = query r // group, head
+    kv_head * group + r % group), padded to a power of two >= 16 so that both
+    dots are legal under Triton. K/V are read once per KV head, not per head.
+  * Split-k: grid (S, KVH, num_splits). Split j covers a contiguous range of
+    blocks_per_split blocks, so one long sequence still spreads over many
+    programs. num_splits is static (from max_blocks); splits that start past a
+    sequence's context run zero iterations and report lse = -inf.
+  * Inside a split, an online softmax walks tiles of blocks_per_tile blocks.
+    The tile's per-token block ids are assembled from scalar block-table reads,
+    and K/V rows are gathered straight out of the full pool at
+    [layer, block_id, slot, kv_head, :], so no layer slice is ever
+    materialized and no reshape happens in the kernel. The loop runs only over
+    tiles that can hold visible keys (dynamic trip count, so it stops at the
+    context length and skips tiles before the sliding window).
+  * Each split writes its normalized partial output and its log-sum-exp; the
+    splits are merged outside the kernel in jnp with a log-sum-exp merge.
+
+NaN safety: cache slots past a context (and the null block, other layers) may
+hold anything, NaN included. K/V/scale loads are masked with other=0 for dead
+tokens so nothing NaN reaches a dot, scores of invisible keys are forced to
+-inf with where(), and the running max is replaced by 0 while it is still -inf
+so exp() never sees -inf - -inf.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._common import MIN_DOT_DIM, check_kv_pool, defaults_for, is_power_of_two, next_power_of_two
+
+
+# Per head_dim: (tokens per tile, tokens per split, num_warps, num_stages).
+# Tiles shrink as head_dim grows to keep the [tile, head_dim] K and V tiles
+# (plus the packed query rows) in registers; 512 tokens per split gives a long
+# context (4k-32k) 8-64 programs per KV head, enough to fill an H100 with a
+# single sequence, while short batches see one split and skip the merge.
+_DEFAULTS_BY_HEAD_DIM = {
+    64: (128, 512, 4, 2),
+    128: (64, 512, 4, 2),
+    256: (32, 512, 8, 2),
+}
+# The Triton lowering runs float32 dots as TF32 unless told otherwise; HIGHEST
+# makes them IEEE float32 (bf16 operands are unaffected).
+_DOT_PRECISION = lax.Precision.HIGHEST
+
+
+
+
+
+def _previous_power_of_two(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def decode_tiling(
+    head_dim: int,
+    block_size: int,
+    max_blocks: int,
+    *,
+    blocks_per_tile: int | None = None,
+    blocks_per_split: int | None = None,
+    num_splits: int | None = None,
+) -> tuple[int, int, int]:
+    """The static (blocks_per_tile, blocks_per_split, num_splits) the kernel uses.
+
+    Requested values are honoured where legal: a split holds whole tiles, a tile
+    holds at least 16 tokens, and no split lies wholly past max_blocks, so the
+    resulting num_splits may be lower than a requested one.
+    """
+    if blocks_per_split is not None and num_splits is not None:
+        raise ValueError("give blocks_per_split or num_splits, not both")
+    default_tile_tokens, default_split_tokens, _, _ = defaults_for(_DEFAULTS_BY_HEAD_DIM, head_dim)
+    min_blocks_per_tile = max(1, MIN_DOT_DIM // block_size)
+    if num_splits is not None:
+        blocks_per_split = pl.cdiv(max_blocks, num_splits)
+    elif blocks_per_split is None:
+        blocks_per_split = max(1, default_split_tokens // block_size)
+    blocks_per_split = max(1, min(blocks_per_split, max_blocks))
+    if blocks_per_tile is None:
+        # Tiles no wider than a split, so that small splits stay small.
+        blocks_per_tile = min(max(1, default_tile_tokens // block_size), _previous_power_of_two(blocks_per_split))
+        blocks_per_tile = max(blocks_per_tile, min_blocks_per_tile)
+    if not is_power_of_two(blocks_per_tile) or blocks_per_tile < min_blocks_per_tile:
+        raise ValueError(
+            f"blocks_per_tile={blocks_per_tile} must be a power of two with "
+            f"blocks_per_tile * block_size >= {MIN_DOT_DIM}"
+        )
+    blocks_per_split = pl.cdiv(blocks_per_split, blocks_per_tile) * blocks_per_tile
+    return blocks_per_tile, blocks_per_split, pl.cdiv(max_blocks, blocks_per_split)
+
+
+def _decode_kernel(
+    layer_index_ref,  # [1] int32
+    context_lens_ref,  # [S] int32
+    block_tables_ref,  # [S, num_splits * blocks_per_split] int32
+    q_ref,  # [rows, D] packed query rows of this (sequence, kv head)
+    k_pool_ref,  # [L, N, B, KVH, D] whole pool
+    v_pool_ref,  # [L, N, B, KVH, D] whole pool
+    k_scales_ref,  # [L, N, B, KVH] or None
+    v_scales_ref,  # [L, N, B, KVH] or None
+    out_ref,  # [rows, D] float32, normalized partial output of this split
+    lse_ref,  # [rows] float32, log-sum-exp of this split (-inf: no keys)
+    *,
+    num_queries: int,
+    group: int,
+    block_size: int,
+    blocks_per_tile: int,
+    blocks_per_split: int,
+    sliding_window: int | None,
+    compute_dtype,
+):
+    seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_rows, head_dim = q_ref.shape
+    tile_tokens = blocks_per_tile * block_size
+    split_tokens = blocks_per_split * block_size
+    sm_scale = head_dim**-0.5
+
+    layer = layer_index_ref[0]
+    context_len = context_lens_ref[seq]
+    # Earliest key any query of this sequence can see.
+    if sliding_window is None:
+        first_visible = jnp.int32(0)
+    else:
+        first_visible = jnp.maximum(context_len - num_queries - sliding_window + 1, 0)
+
+    split_start = split * split_tokens
+    live_end = jnp.clip(context_len - split_start, 0, split_tokens)
+    first_tile = jnp.clip(first_visible - split_start, 0, split_tokens) // tile_tokens
+    num_tiles = jnp.maximum(pl.cdiv(live_end, tile_tokens) - first_tile, 0)
+
+    row_pos = context_len - num_queries + jnp.arange(num_rows, dtype=jnp.int32) // group
+    token_in_tile = jnp.arange(tile_tokens, dtype=jnp.int32)
+    block_in_tile = token_in_tile // block_size
+    slots = token_in_tile % block_size
+    feature_index = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (tile_tokens, head_dim))
+
+    q = q_ref[...]
+    # A zero of the pool's own dtype: the lowering cannot cast an int 0 to fp8.
+    pool_zero = jnp.zeros((), k_pool_ref.dtype)
+
+    def tile_step(i, carry):
+        acc, row_max, row_sum = carry
+        tile_first_block = split * blocks_per_split + (first_tile + i) * blocks_per_tile
+        key_pos = tile_first_block * block_size + token_in_tile
+        # Per-token block ids from scalar block-table reads (no in-kernel reshape).
+        block_ids = jnp.zeros((tile_tokens,), jnp.int32)
+        for b in range(blocks_per_tile):
+            block_id = block_tables_ref[seq, tile_first_block + b]
+            block_ids = jnp.where(block_in_tile == b, block_id, block_ids)
+        key_live = (key_pos >= first_visible) & (key_pos < context_len)
+
+        # Every pool index as a [tile, head_dim] array: a pure gather, which both the
+        # Triton lowering and interpret mode accept (interpret mode rejects gathers
+        # mixed with slices).
+        tile_shape = (tile_tokens, head_dim)
+        row_blocks = jnp.broadcast_to(block_ids[:, None], tile_shape)
+        row_slots = jnp.broadcast_to(slots[:, None], tile_shape)
+        live_rows = jnp.broadcast_to(key_live[:, None], tile_shape)
+        k = plt.load(
+            k_pool_ref.at[layer, row_blocks, row_slots, kv_head, feature_index], mask=live_rows, other=pool_zero
+        )
+        scores = lax.dot_general(
+            q,
+            k.astype(compute_dtype),
+            (((1,), (1,)), ((), ())),
+            precision=_DOT_PRECISION,
+            preferred_element_type=jnp.float32,
+        )
+        scores = scores * sm_scale
+        if k_scales_ref is not None:
+            # A per-token scale is constant along the contraction, so it scales score columns.
+            k_scale = plt.load(
+                k_scales_ref.at[layer, block_ids, slots, kv_head], mask=key_live, other=0.0
+            )
+            scores = scores * k_scale[None, :]
+
+        visible = key_live[None, :] & (key_pos[None, :] <= row_pos[:, None])
+        if sliding_window is not None:
+            visible = visible & (row_pos[:, None] - key_pos[None, :] < sliding_window)
+        scores = jnp.where(visible, scores, -jnp.inf)
+
+        new_max = jnp.maximum(row_max, scores.max(axis=1))
+        # While a row has seen no key its max is -inf; shift by 0 instead.
+        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        rescale = jnp.exp(row_max - shift)
+        probs = jnp.exp(scores - shift[:, None])
+        row_sum = row_sum * rescale + probs.sum(axis=1)
+
+        v = plt.load(
+            v_pool_ref.at[layer, row_blocks, row_slots, kv_head, feature_index], mask=live_rows, other=pool_zero
+        )
+        if v_scales_ref is not None:
+            # A per-token V scale runs along the contraction: fold it into the probabilities.
+            v_scale = plt.load(
+                v_scales_ref.at[layer, block_ids, slots, kv_head], mask=key_live, other=0.0
+            )
+            probs = probs * v_scale[None, :]
+        acc = acc * rescale[:, None] + lax.dot_general(
+            probs.astype(compute_dtype),
+            v.astype(compute_dtype),
+            (((1,), (0,)), ((), ())),
+            precision=_DOT_PRECISION,
+            preferred_element_type=jnp.float32,
+        )
+        return acc, new_max, row_sum
+
+    acc = jnp.zeros((num_rows, head_dim), jnp.float32)
+    row_max = jnp.full((num_rows,), -jnp.inf, jnp.float32)
+    row_sum = jnp.zeros((num_rows,), jnp.float32)
+    acc, row_max, row_sum = lax.fori_loop(0, num_tiles, tile_step, (acc, row_max, row_sum))
+
+    has_keys = row_sum > 0.0
+    out_ref[...] = acc / jnp.where(has_keys, row_sum, 1.0)[:, None]
+    lse_ref[...] = jnp.where(has_keys, row_max + jnp.log(jnp.where(has_keys, row_sum, 1.0)), -jnp.inf)
+
+
+def _merge_splits(partial_out, partial_lse):
+    """Log-sum-exp merge over axis 2 (splits); splits and rows with no keys
+    (lse = -inf) weigh 0 and an all-empty row gives 0, never NaN."""
+    max_lse = partial_lse.max(axis=2, keepdims=True)
+    max_lse = jnp.where(max_lse == -jnp.inf, 0.0, max_lse)
+    weights = jnp.exp(partial_lse - max_lse)
+    total = weights.sum(axis=2)
+    merged = (partial_out * weights[..., None]).sum(axis=2)
+    return merged / jnp.where(total > 0.0, total, 1.0)[..., None]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sliding_window",
+        "blocks_per_tile",
+        "blocks_per_split",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def paged_decode_attention(
+    q,
+    k_pool,
+    v_pool,
+    layer_index,
+    block_tables,
+    context_lens,
+    *,
+    k_scales=None,
+    v_scales=None,
+    sliding_window: int | None = None,
+    blocks_per_tile: int | None = None,
+    blocks_per_split: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+):
+    """Attention of Q new tokens per sequence over a paged KV cache -> [S, Q, H, D].
+
+    Tuning (all static, defaults from a per-head_dim table):
+      blocks_per_tile: blocks per online-softmax step; a power of two with
+        blocks_per_tile * block_size >= 16.
+      blocks_per_split / num_splits: split-k granularity (give at most one);
+        num_splits = ceil(max_blocks / blocks_per_split).
+      num_warps, num_stages: Triton compiler parameters.
+    """
+    num_seqs, num_queries, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = k_pool.shape
+    max_blocks = block_tables.shape[1]
+    quantized = check_kv_pool(num_heads, head_dim, k_pool, v_pool, k_scales, v_scales)
+    if not is_power_of_two(block_size):
+        raise ValueError(f"block_size {block_size} must be a power of two")
+
+    group = num_heads // num_kv_heads
+    blocks_per_tile, blocks_per_split, num_splits = decode_tiling(
+        head_dim,
+        block_size,
+        max_blocks,
+        blocks_per_tile=blocks_per_tile,
+        blocks_per_split=blocks_per_split,
+        num_splits=num_splits,
+    )
+    _, _, default_warps, default_stages = defaults_for(_DEFAULTS_BY_HEAD_DIM, head_dim)
+    num_warps = default_warps if num_warps is None else num_warps
+    num_stages = default_stages if num_stages is None else num_stages
+
+    # Pad the table so every tile of every split reads in-bounds entries (null block).
+    padded_blocks = num_splits * blocks_per_split
+    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_blocks - max_blocks)))
+    context_lens = context_lens.astype(jnp.int32)
+    layer_index = jnp.asarray(layer_index, jnp.int32).reshape(1)
+
+    # Pack: [S, Q, KVH * group, D] -> [S, KVH, Q * group, D], rows padded to a power of two.
+    rows = num_queries * group
+    padded_rows = max(MIN_DOT_DIM, next_power_of_two(rows))
+    packed_q = q.reshape(num_seqs, num_queries, num_kv_heads, group, head_dim)
+    packed_q = packed_q.transpose(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, rows, head_dim)
+    packed_q = jnp.pad(packed_q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+
+    # Dots run in q's dtype (int8 / fp8 K/V convert to it exactly); accumulation is float32.
+    compute_dtype = q.dtype
+    kernel = functools.partial(
+        _decode_kernel,
+        num_queries=num_queries,
+        group=group,
+        block_size=block_size,
+        blocks_per_tile=blocks_per_tile,
+        blocks_per_split=blocks_per_split,
+        sliding_window=sliding_window,
+        compute_dtype=compute_dtype,
+    )
+    whole = pl.BlockSpec()  # no block_shape: the kernel sees the whole array
+    scale_spec = whole if quantized else None
+    partial_out, partial_lse = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=[
+            whole,  # layer_index
+            whole,  # context_lens
+            whole,  # block_tables
+            pl.BlockSpec((None, None, padded_rows, head_dim), lambda s, h, j: (s, h, 0, 0)),
+            whole,  # k_pool
+            whole,  # v_pool
+            scale_spec,  # k_scales
+            scale_spec,  # v_scales
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, padded_rows, head_dim), lambda s, h, j: (s, h, j, 0, 0)),
+            pl.BlockSpec((None, None, None, padded_rows), lambda s, h, j: (s, h, j, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, padded_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, padded_rows), jnp.float32),
+        ],
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_decode_attention_bpt{blocks_per_tile}_bps{blocks_per_split}",
+    )(layer_index, context_lens, block_tables, packed_q, k_pool, v_pool, k_scales, v_scales)
+
+    if num_splits == 1:
+        out = partial_out[:, :, 0]
+    else:
+        out = _merge_splits(partial_out, partial_lse)
+    out = out[:, :, :rows].reshape(num_seqs, num_kv_heads, num_queries, group, head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(num_seqs, num_queries, num_heads, head_dim).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window",))
+def paged_decode_attention_reference(
+    q,
+    k_pool,
+    v_pool,
+    layer_index,
+    block_tables,
+    context_lens,
+    *,
+    k_scales=None,
+    v_scales=None,
+    sliding_window: int | None = None,
+):
+    """Plain jnp: gather each sequence's blocks, dequantize, masked float32 softmax."""
+    num_seqs, num_queries, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_pool.shape[2], k_pool.shape[3]
+    group = num_heads // num_kv_heads
+    max_tokens = block_tables.shape[1] * block_size
+
+    # [S, max_blocks, B, KVH, D] -> [S, T, KVH, D]; one gather, no layer copy.
+    k = k_pool[layer_index, block_tables].reshape(num_seqs, max_tokens, num_kv_heads, head_dim)
+    v = v_pool[layer_index, block_tables].reshape(num_seqs, max_tokens, num_kv_heads, head_dim)
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+    if k_scales is not None:
+        k = k * k_scales[layer_index, block_tables].reshape(num_seqs, max_tokens, num_kv_heads, 1)
+        v = v * v_scales[layer_index, block_tables].reshape(num_seqs, max_tokens, num_kv_heads, 1)
+    key_pos = jnp.arange(max_tokens)
+    # Slots past the context may hold NaN; zero them so 0-weight * NaN cannot leak.
+    in_context = (key_pos[None, :] < context_lens[:, None])[:, :, None, None]
+    k = jnp.where(in_context, k, 0.0)
+    v = jnp.where(in_context, v, 0.0)
+
+    query_pos = context_lens[:, None] - num_queries + jnp.arange(num_queries)[None, :]  # [S, Q]
+    visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, T]
+    visible &= key_pos[None, None, :] < context_lens[:, None, None]
+    if sliding_window is not None:
+        visible &= query_pos[:, :, None] - key_pos[None, None, :] < sliding_window
+
+    grouped_q = q.astype(jnp.float32).reshape(num_seqs, num_queries, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("sqhgd,sthd->sqhgt", grouped_q, k, precision=lax.Precision.HIGHEST)
+    scores = scores * (head_dim**-0.5)
+    scores = jnp.where(visible[:, :, None, None, :], scores, -jnp.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)
+    probs = jnp.exp(scores - row_max)
+    row_sum = probs.sum(axis=-1, keepdims=True)
+    probs = probs / jnp.where(row_sum > 0.0, row_sum, 1.0)
+    out = jnp.einsum("sqhgt,sthd->sqhgd", probs, v, precision=lax.Precision.HIGHEST)
+    return out.reshape(num_seqs, num_queries, num_heads, head_dim).astype(q.dtype)
+
+
+__all__ = ["decode_tiling", "paged_decode_attention", "paged_decode_attention_reference"]
