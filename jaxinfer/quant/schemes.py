@@ -1,0 +1,66 @@
+"""Round-to-nearest quantizers: float [..., in, out] -> QuantizedTensor.
+
+int8  symmetric, scale = absmax / 127 per output channel (or per group of
+      `group_size` input rows), q = round(w / scale) in [-127, 127].
+int4  asymmetric per group of input rows: the group's [min, max] is split into
+      15 steps, q = round((w - min) / scale) in [0, 15], offset = min, so the
+      group's extremes are represented exactly.
+fp8   e4m3 with a per-output-channel scale = absmax / 448 (the largest e4m3
+      value), q = e4m3(w / scale).
+All scales are computed in float32; groups run along `in` (see tensor.py).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor, pack_int4
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+
+
+def _grouped(w, group_size: int):
+    """[..., in, out] -> [..., in // group, group, out] float32, checking the group divides `in`."""
+    in_features = w.shape[-2]
+    if group_size < 1 or in_features % group_size:
+        raise ValueError(f"group_size {group_size} must divide the {in_features} input rows")
+    return w.astype(jnp.float32).reshape(*w.shape[:-2], in_features // group_size, group_size, w.shape[-1])
+
+
+def quantize_int8(w, group_size: int | None = None) -> QuantizedTensor:
+    group_size = group_size or w.shape[-2]
+    g = _grouped(w, group_size)
+    scales = jnp.max(jnp.abs(g), axis=-2) / 127.0
+    scales = jnp.where(scales > 0, scales, 1.0)  # an all-zero group: any scale is exact
+    q = jnp.clip(jnp.round(g / scales[..., None, :]), -127, 127).astype(jnp.int8)
+    return QuantizedTensor(q.reshape(w.shape), scales, None, "int8", group_size)
+
+
+def quantize_int4(w, group_size: int = 128) -> QuantizedTensor:
+    if w.shape[-2] % 2:
+        raise ValueError(f"int4 packs two rows per byte: {w.shape[-2]} input rows is odd")
+    g = _grouped(w, group_size)
+    low, high = jnp.min(g, axis=-2), jnp.max(g, axis=-2)
+    scales = (high - low) / 15.0
+    scales = jnp.where(scales > 0, scales, 1.0)  # a constant group: offset alone is exact
+    q = jnp.clip(jnp.round((g - low[..., None, :]) / scales[..., None, :]), 0, 15).astype(jnp.uint8)
+    return QuantizedTensor(pack_int4(q.reshape(w.shape)), scales, low, "int4", group_size)
+
+
+def quantize_fp8(w) -> QuantizedTensor:
+    g = _grouped(w, w.shape[-2])
+    scales = jnp.max(jnp.abs(g), axis=-2) / FP8_MAX
+    scales = jnp.where(scales > 0, scales, 1.0)
+    q = (g / scales[..., None, :]).astype(jnp.float8_e4m3fn)
+    return QuantizedTensor(q.reshape(w.shape), scales, None, "fp8", w.shape[-2])
+
+
+def quantize(w, scheme: str, group_size: int | None = None) -> QuantizedTensor:
+    """Dispatch by scheme name; group_size applies to int8 (default per channel) and int4 (default 128)."""
+    if scheme == "int8":
+        return quantize_int8(w, group_size)
+    if scheme == "int4":
+        return quantize_int4(w, group_size or 128)
+    if scheme == "fp8":
+        return quantize_fp8(w)
+    raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {SCHEMES}")

@@ -1,0 +1,85 @@
+"""QuantizedTensor: a weight matrix stored quantized, as a pytree that flows
+through jit, lax.scan (stacked layers) and sharding like any array.
+
+Logical value: a matrix [..., in, out] (our params store linear weights
+[in, out], activations multiply from the left; leading axes are stacked
+layers). Quantization groups run along `in`, `group_size` rows per scale:
+
+    value[..., i, o] = q[..., i, o] * scales[..., i // group_size, o]
+                       (+ offsets[..., i // group_size, o]   for int4)
+
+scheme  data                                          q                       scales / offsets
+int8    int8 [..., in, out]                           data                    symmetric; per channel
+                                                                              (group_size = in) or grouped
+                                                                              (GGUF Q8_0: 32)
+int4    uint8 [..., in // 2, out]: row 2j in the      0..15                   scales and offsets (the zero
+        low nibble of byte j, row 2j + 1 in the                               point folded in: offset =
+        high nibble                                                           -zero * scale; GGUF Q4_0:
+                                                                              -8 * d, Q4_1: m)
+fp8     float8_e4m3fn [..., in, out]                  data                    symmetric, per channel
+
+scales and offsets are float32 [..., in // group_size, out]; offsets is None
+except for int4. `scheme` and `group_size` are static (pytree metadata).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+SCHEMES = ("int8", "int4", "fp8")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    data: jax.Array
+    scales: jax.Array
+    offsets: jax.Array | None
+    scheme: str = dataclasses.field(metadata=dict(static=True))
+    group_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[-2] * (2 if self.scheme == "int4" else 1)
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[-1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical (dequantized) shape."""
+        return (*self.data.shape[:-2], self.in_features, self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.data, self.scales] + ([self.offsets] if self.offsets is not None else [])
+        return sum(p.size * p.dtype.itemsize for p in parts)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """uint8 [..., in // 2, out] -> uint8 [..., in, out] with values 0..15 (rows interleaved back)."""
+    low = packed & 0x0F
+    high = packed >> 4
+    stacked = jnp.stack([low, high], axis=-2)  # [..., in // 2, 2, out]
+    return stacked.reshape(*packed.shape[:-2], packed.shape[-2] * 2, packed.shape[-1])
+
+
+def pack_int4(values: jax.Array) -> jax.Array:
+    """uint8 [..., in, out] with values 0..15 (in even) -> uint8 [..., in // 2, out]."""
+    values = values.astype(jnp.uint8)
+    return values[..., 0::2, :] | (values[..., 1::2, :] << 4)
+
+
+def dequantize(w: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
+    """The reference: the logical [..., in, out] matrix in `dtype`."""
+    q = unpack_int4(w.data) if w.scheme == "int4" else w.data
+    q = q.astype(jnp.float32)
+    scales = jnp.repeat(w.scales, w.group_size, axis=-2)
+    value = q * scales
+    if w.offsets is not None:
+        value = value + jnp.repeat(w.offsets, w.group_size, axis=-2)
+    return value.astype(dtype)
