@@ -51,7 +51,6 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import MIN_DOT_DIM, check_kv_pool, defaults_for, is_power_of_two, next_power_of_two
 
-
 # Per head_dim: (tokens per tile, tokens per split, num_warps, num_stages).
 # Tiles shrink as head_dim grows to keep the [tile, head_dim] K and V tiles
 # (plus the packed query rows) in registers; 512 tokens per split gives a long
@@ -65,9 +64,6 @@ _DEFAULTS_BY_HEAD_DIM = {
 # The Triton lowering runs float32 dots as TF32 unless told otherwise; HIGHEST
 # makes them IEEE float32 (bf16 operands are unaffected).
 _DOT_PRECISION = lax.Precision.HIGHEST
-
-
-
 
 
 def _previous_power_of_two(n: int) -> int:

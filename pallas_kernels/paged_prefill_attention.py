@@ -85,7 +85,6 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import MIN_DOT_DIM, check_kv_pool, defaults_for, is_power_of_two, next_power_of_two
 
-
 # Per head_dim: (block_q rows, block_kv tokens, num_warps, num_stages).
 # 64 query rows keep short chunks and decode tokens from wasting most of a tile
 # while still amortizing each K/V tile over 64 rows; the float32 accumulator
@@ -97,9 +96,6 @@ _DEFAULTS_BY_HEAD_DIM = {
     256: (32, 32, 4, 2),
 }
 _LOG2_E = math.log2(math.e)
-
-
-
 
 
 def _num_q_tiles(num_rows: int, num_seqs: int, tokens_per_tile: int) -> int:
