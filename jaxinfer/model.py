@@ -12,9 +12,11 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading.checkpoint import open_checkpoint
-from jaxinfer.loading.params import build_params, resolve_dtype
+from jaxinfer.loading.orbax import OrbaxCheckpoint
+from jaxinfer.loading.params import QUANTIZATIONS, build_params, resolve_dtype
 from jaxinfer.models.attention import full_sequence_attention
 from jaxinfer.models.llama import compute_logits, forward
+from jaxinfer.quant.params import quantize_params
 from jaxinfer.utils import bucket_size, enable_compilation_cache
 
 
@@ -60,13 +62,30 @@ def _full_logits(params, config: ModelConfig, tokens):
     return compute_logits(params, hidden)
 
 
-def load(model=None, dtype="float32", progress: bool = True) -> Model:
+def load(model=None, dtype="float32", progress: bool = True, quantization: str | None = None) -> Model:
     """Load a model: None (the embedded SmolLM2-135M-Instruct), a HF directory
-    (config.json + safetensors), or a .gguf file. dtype: float32 | bfloat16."""
+    (config.json + safetensors), a .gguf file, or a jaxinfer checkpoint directory
+    (`jaxinfer convert`). dtype: float32 | bfloat16 (of the unquantized weights).
+
+    quantization: None (float weights; GGUF blocks dequantized), "gguf" (keep
+    a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights quantized as int8 / int4
+    with 32-row groups, other types dequantized), or "int8" | "int4" | "fp8"
+    (round-to-nearest of the float32 linear weights at load time: int8 / fp8
+    per output channel, int4 in groups of 128 rows or fewer, see
+    quant/params.py; the embedding, head and norms stay float)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
     enable_compilation_cache()
     start = time.perf_counter()
     np_dtype = resolve_dtype(dtype)
     config, source, tokenizer, description = open_checkpoint(model)
-    params = build_params(config, source, np_dtype, progress=progress)
+    if isinstance(source, OrbaxCheckpoint):  # a jaxinfer checkpoint: restored by orbax onto the device
+        if quantization == "gguf":
+            raise ValueError(f'quantization="gguf" needs a GGUF checkpoint; {description} is not one')
+        params = source.restore(np_dtype, progress=progress)
+        if quantization is not None:
+            params = quantize_params(params, quantization)
+    else:
+        params = build_params(config, source, np_dtype, progress=progress, quantization=quantization)
     jax.block_until_ready(params)
     return Model(config, params, tokenizer, np_dtype, description, time.perf_counter() - start)

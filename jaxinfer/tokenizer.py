@@ -95,6 +95,33 @@ class Tokenizer:
     def detokenizer(self, prompt_token_ids=(), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
 
+    def save(self, directory) -> list[str]:
+        """Write the tokenizer as a Hugging Face style directory that `load_tokenizer` reads back to the
+        same ids, special tokens and chat template. Returns the names of the files written."""
+        raise NotImplementedError
+
+    def _save_configs(self, directory: Path, bos_text: str | None, eos_text: str | None) -> list[str]:
+        config = {"add_bos_token": self.add_bos_token}
+        if bos_text is not None:
+            config["bos_token"] = bos_text
+        if eos_text is not None:
+            config["eos_token"] = eos_text
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        # generation_config.json carries the ids no text can name: every end-of-turn id (the first is
+        # the fallback EOS), and a BOS that a sentencepiece model cannot mark as its own.
+        generation = {}
+        eos_ids = [self.eos_token_id] if self.eos_token_id is not None else []
+        eos_ids += sorted(self.eos_token_ids - set(eos_ids))
+        if eos_ids:
+            generation["eos_token_id"] = eos_ids
+        if self.bos_token_id is not None:
+            generation["bos_token_id"] = self.bos_token_id
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False),
+                                                         encoding="utf-8")
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2), encoding="utf-8")
+        return ["tokenizer_config.json", "generation_config.json"]
+
     def __repr__(self):
         return (f"{type(self).__name__}(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
                 f"eos={sorted(self.eos_token_ids)}, add_bos_token={self.add_bos_token})")
@@ -122,6 +149,13 @@ class HFTokenizer(Tokenizer):
     def id_to_piece(self, token_id):
         token_id = int(token_id)
         return (self.backend.id_to_token(token_id) or "") if token_id >= 0 else ""
+
+    def save(self, directory):
+        directory = Path(directory)
+        self.backend.save(str(directory / "tokenizer.json"))
+        bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+        eos = self.backend.id_to_token(self.eos_token_id) if self.eos_token_id is not None else None
+        return ["tokenizer.json", *self._save_configs(directory, bos, eos)]
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -187,6 +221,25 @@ class SentencePieceTokenizer(Tokenizer):
     def id_to_piece(self, token_id):
         token_id = int(token_id)
         return self.processor.id_to_piece(token_id) if 0 <= token_id < self.vocab_size else ""
+
+    def save(self, directory):
+        directory = Path(directory)
+        proto = sp_pb2.ModelProto.FromString(self.processor.serialized_model_proto())
+        # Special texts that came from a config rather than the model become control pieces, so the
+        # reloaded model splits the same texts out without needing that config.
+        for i in self._special_ids:
+            proto.pieces[i].type = _CONTROL
+        # sentencepiece names its BOS/EOS by piece and only accepts control pieces; a BOS/EOS that is
+        # not one (or none at all) must not be re-derived from the defaults "<s>" / "</s>".
+        def own_piece(token_id):
+            special = token_id is not None and token_id in self._special_ids
+            return proto.pieces[token_id].piece if special else None
+
+        bos, eos = own_piece(self.bos_token_id), own_piece(self.eos_token_id)
+        proto.trainer_spec.bos_piece = bos or "<jaxinfer:no-bos>"
+        proto.trainer_spec.eos_piece = eos or "<jaxinfer:no-eos>"
+        (directory / "tokenizer.model").write_bytes(proto.SerializeToString())
+        return ["tokenizer.model", *self._save_configs(directory, bos, eos)]
 
 
 class IncrementalDetokenizer:
@@ -306,6 +359,7 @@ def load_tokenizer(path) -> Tokenizer:
     generation = _read_json(directory / "generation_config.json")
     gen_eos = generation.get("eos_token_id")
     gen_eos = [gen_eos] if isinstance(gen_eos, int) else [i for i in (gen_eos or []) if isinstance(i, int)]
+    gen_bos = generation.get("bos_token_id") if isinstance(generation.get("bos_token_id"), int) else None
     bos_text, eos_text = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
     chat_template = _config_chat_template(config, directory)
 
@@ -344,9 +398,12 @@ def load_tokenizer(path) -> Tokenizer:
     eos = piece_id(eos_text, processor.eos_id())
     if eos is None and gen_eos:
         eos = gen_eos[0]
+    bos = piece_id(bos_text, processor.bos_id())
+    if bos is None and bos_text is None:
+        bos = gen_bos
     return SentencePieceTokenizer(
         processor, extra_special_texts=[t for t in (bos_text, eos_text) if t],
-        bos_token_id=piece_id(bos_text, processor.bos_id()), eos_token_id=eos,
+        bos_token_id=bos, eos_token_id=eos,
         add_bos_token=bool(config.get("add_bos_token", True)),  # Llama-family sentencepiece default
         chat_template=chat_template, extra_eos_ids=gen_eos)
 

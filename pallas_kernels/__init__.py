@@ -5,9 +5,12 @@ paged_decode_attention   one to a few query tokens per sequence over the paged
                          int8/fp8 K/V with per-token scales
 paged_prefill_attention  flash attention of ragged query chunks over the paged
                          cache, causal mask aligned bottom-right
+quantized_matmul         x @ W for int8 / int4 / fp8 QuantizedTensor weights,
+                         dequantized in registers (decode-sized x); the quantized
+                         `linear` (jaxinfer/quant/linear.py) calls it on GPU
 
 Written for the Triton GPU lowering (JAX 0.10 and 0.11); tests run them with
 interpret=True on CPU. The engine reaches them through
 jaxinfer/models/paged_attention.py (attention_backend "pallas" /
-"pallas_interpret").
+"pallas_interpret") and jaxinfer/quant/linear.py.
 """

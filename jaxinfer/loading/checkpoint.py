@@ -1,4 +1,5 @@
-"""Find what `model` names (None, a HF directory, or a .gguf file) and open it.
+"""Find what `model` names (None, a HF directory, a .gguf file, or a jaxinfer
+(orbax) checkpoint directory) and open it.
 
 Returns the config, a lazy tensor source and the tokenizer; reading the
 weights happens later in loading/params.py.
@@ -59,6 +60,10 @@ def open_checkpoint(model: str | Path | None):
         else:
             log.warning("%s carries no vocabulary; loading without a tokenizer", path)
         return config, source, tokenizer, str(path)
+    from jaxinfer.loading.orbax import is_orbax_checkpoint, open_orbax_checkpoint
+
+    if is_orbax_checkpoint(path):  # written by `jaxinfer convert` / save_checkpoint
+        return open_orbax_checkpoint(path)
     ggufs = sorted(path.glob("*.gguf"))
     if not (path / "config.json").exists():
         if len(ggufs) == 1:

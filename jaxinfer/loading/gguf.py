@@ -1,9 +1,11 @@
 """GGUF files (llama.cpp's format) via the `gguf` package.
 
 Config comes from the file's metadata, tensors are renamed to HF names and
-dequantized to float one at a time on request (quantized execution comes in a
-later issue), and llama.cpp's Q/K row permutation is undone for the "llama"
-architecture so the HF rotary pairing in models/layers.py applies.
+dequantized to float one at a time on request, and llama.cpp's Q/K row
+permutation is undone for the "llama" architecture so the HF rotary pairing in
+models/layers.py applies. Q8_0 / Q4_0 / Q4_1 weights can instead be read
+straight into a QuantizedTensor (`get_quantized`), repacking the block bytes
+with integer operations only, so the values stay exactly the file's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
+from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
 
 # GGUF `general.architecture` -> ours. Mistral GGUFs say "llama".
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -25,6 +28,9 @@ Q = gguf.GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
     [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 )
+
+# Block types that map onto a QuantizedTensor scheme without loss (32-row groups).
+DIRECT_TYPES = {Q.Q8_0: "int8", Q.Q4_0: "int4", Q.Q4_1: "int4"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -68,6 +74,46 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     out_dim = weight.shape[0]
     head_dim = out_dim // num_heads
     return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _f16(two_bytes: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 holding little-endian float16 -> float32 [...] (exact)."""
+    return np.ascontiguousarray(two_bytes).view("<f2")[..., 0].astype(np.float32)
+
+
+def blocks_to_quantized(raw: np.ndarray, qtype, out_dim: int, in_dim: int, unpermute_heads: int | None = None):
+    """Raw GGUF blocks of an [out, in] matrix -> QuantizedTensor [in, out] (numpy leaves).
+
+    Block layouts (ggml-common.h; 32 weights of one row per block):
+      Q8_0  f16 d, int8 q[32]                       w = d * q
+      Q4_0  f16 d, uint8 qs[16]                     w = d * (q - 8)
+      Q4_1  f16 d, f16 m, uint8 qs[16]              w = d * q + m
+    where byte j of qs holds element j in its low nibble and element j + 16 in
+    its high nibble. Our int4 instead pairs rows 2i / 2i + 1 in one byte, so the
+    nibbles are unpacked and repacked. Q4_0's offset -8 * d and every product
+    q * d are exact in float32, so dequantize() reproduces gguf's values bit for bit.
+    """
+    qtype = gguf.GGMLQuantizationType(qtype)
+    if qtype not in DIRECT_TYPES:
+        raise ValueError(f"GGUF type {qtype.name} has no direct QuantizedTensor form")
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.asarray(raw, np.uint8).reshape(out_dim, in_dim // block_size, type_size)
+    scales = _f16(blocks[..., 0:2])  # [out, in / 32]
+    offsets = None
+    if qtype == Q.Q8_0:
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(out_dim, in_dim)
+    else:
+        qs = blocks[..., 4:] if qtype == Q.Q4_1 else blocks[..., 2:]
+        offsets = _f16(blocks[..., 2:4]) if qtype == Q.Q4_1 else -8.0 * scales
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out_dim, in_dim)
+    if unpermute_heads:
+        q, scales = unpermute_rows(q, unpermute_heads), unpermute_rows(scales, unpermute_heads)
+        offsets = None if offsets is None else unpermute_rows(offsets, unpermute_heads)
+    q = np.ascontiguousarray(q.T)
+    data = q if qtype == Q.Q8_0 else pack_int4(q)
+    scales = np.ascontiguousarray(scales.T)
+    offsets = None if offsets is None else np.ascontiguousarray(offsets.T)
+    return QuantizedTensor(data, scales, offsets, DIRECT_TYPES[qtype], block_size)
 
 
 def read_field(reader: gguf.GGUFReader, key: str, default=None):
@@ -141,6 +187,21 @@ class GGUFTensors:
     def names(self):
         return self._tensors.keys()
 
+    def _unpermute_heads(self, name: str) -> int | None:
+        if self._unpermute and name.endswith(("q_proj.weight", "k_proj.weight")):
+            return self._config.num_heads if "q_proj" in name else self._config.num_kv_heads
+        return None
+
+    def get_quantized(self, name: str) -> QuantizedTensor | None:
+        """The tensor as a QuantizedTensor in params layout [in, out] (numpy
+        leaves), or None when its GGUF type has no direct form."""
+        tensor = self._tensors[name]
+        qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+        if qtype not in DIRECT_TYPES or len(tensor.shape) != 2:
+            return None
+        in_dim, out_dim = (int(d) for d in tensor.shape)  # ggml lists the fastest dim first
+        return blocks_to_quantized(tensor.data, qtype, out_dim, in_dim, self._unpermute_heads(name))
+
     def get(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
@@ -152,10 +213,8 @@ class GGUFTensors:
         # tensor.shape lists ggml dims fastest-first; numpy wants them reversed.
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = gguf.quants.dequantize(tensor.data, qtype).reshape(shape)
-        if self._unpermute and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = self._config.num_heads if "q_proj" in name else self._config.num_kv_heads
-            array = unpermute_rows(array, heads)
-        return array
+        heads = self._unpermute_heads(name)
+        return array if heads is None else unpermute_rows(array, heads)
 
 
 def open_gguf(path: str | Path):

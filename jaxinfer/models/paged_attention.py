@@ -2,10 +2,11 @@
 
 The engine flattens a step's tokens from many sequences into one row
 (prefill chunks and decode tokens together). Its cache is one pool of blocks
-per layer, (k_pool, v_pool) each [layers, num_blocks, block_size, KV, D]; a
-sequence's tokens live in the blocks its block table lists, token i at block
-table[i // block_size], slot i % block_size. Block 0 is the null block that
-padding points at.
+per layer, (k_pool, v_pool) each [layers, num_blocks, block_size, KV, D], plus
+(k_scales, v_scales) [layers, num_blocks, block_size, KV] for int8 / fp8 caches
+(see models/kv_cache.py); a sequence's tokens live in the blocks its block
+table lists, token i at block table[i // block_size], slot i % block_size.
+Block 0 is the null block that padding points at.
 
 Per-token metadata (PagedAttentionMetadata):
     slot_mapping [T]   flat pool slot (block * block_size + offset) each new token's K/V goes to
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.models.attention import AttentionFn
+from jaxinfer.models.kv_cache import as_fp8, is_quantized, quantize_kv
 
 
 @jax.tree_util.register_dataclass
@@ -46,16 +48,24 @@ class PagedAttentionMetadata:
 
 
 def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, sliding_window=None, tile_blocks=8,
-                              layer_index=None):
+                              layer_index=None, k_scales=None, v_scales=None):
     """q [T, H, D]; k_pool, v_pool [num_blocks, block_size, KV, D] -> [T, H, D].
 
     With `layer_index`, the pools are the whole cache [layers, num_blocks, ...]
     and tiles are gathered straight from it: slicing out the layer first
-    would copy the layer's entire pool every step.
+    would copy the layer's entire pool every step. int8 / fp8 pools (fp8 as
+    uint8 bits on CPU, see models/kv_cache.py) come with their per-token
+    scales [(layers,) num_blocks, block_size, KV]; each gathered tile is
+    dequantized, so only a tile is ever held in float32.
     Tokens whose sequence has context_len 0 (padding) get zeros.
     """
+    quantized = k_scales is not None
+    if quantized != (v_scales is not None):
+        raise ValueError("give both k_scales and v_scales or neither")
     if layer_index is None:
         k_pool, v_pool, layer_index = k_pool[None], v_pool[None], 0
+        if quantized:
+            k_scales, v_scales = jnp.asarray(k_scales)[None], jnp.asarray(v_scales)[None]
     q, k_pool, v_pool = jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_pool.shape[2], k_pool.shape[3]
@@ -73,16 +83,21 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
     def visit_tile(tile, carry):
         running_max, denom, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(tables, tile * tile_blocks, tile_blocks, axis=1)  # [T, tb]
-        k = k_pool[layer_index, blocks].reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
-        v = v_pool[layer_index, blocks].reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
+        k = as_fp8(k_pool[layer_index, blocks]).reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
+        v = as_fp8(v_pool[layer_index, blocks]).reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        if quantized:
+            k = k * k_scales[layer_index, blocks].reshape(num_tokens, tile_tokens, num_kv_heads, 1)
+            v = v * v_scales[layer_index, blocks].reshape(num_tokens, tile_tokens, num_kv_heads, 1)
         key_pos = tile * tile_tokens + jnp.arange(tile_tokens)
         mask = (key_pos[None, :] <= positions[:, None]) & valid_query[:, None]
         if sliding_window is not None:
             mask &= positions[:, None] - key_pos[None, :] < sliding_window
-        scores = jnp.einsum("tkgd,tskd->tkgs", q, k.astype(jnp.float32))
+        scores = jnp.einsum("tkgd,tskd->tkgs", q, k)
         scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
         # Slots past a context (tail of its last block, null block) may hold
-        # anything, NaN included, and 0 * NaN is NaN: zero them out of V.
+        # anything, NaN included (in the values or the scales), and 0 * NaN is
+        # NaN: zero them out of V after dequantizing.
         v = jnp.where(mask[:, :, None, None], v, 0)
         new_max = jnp.maximum(running_max, scores.max(-1))
         # Rows with nothing visible yet keep max -inf; shift by 0 there to avoid inf - inf.
@@ -90,7 +105,7 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
         probs = jnp.exp(scores - safe_max[..., None])
         correction = jnp.exp(jnp.where(jnp.isfinite(running_max), running_max - safe_max, -jnp.inf))
         denom = denom * correction + probs.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum("tkgs,tskd->tkgd", probs, v.astype(jnp.float32))
+        acc = acc * correction[..., None] + jnp.einsum("tkgs,tskd->tkgd", probs, v)
         return new_max, denom, acc
 
     init = (
@@ -103,14 +118,26 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
     return out.reshape(num_tokens, num_heads, head_dim)
 
 
-def write_kv(k_pool, v_pool, layer_index, k, v, slot_mapping):
+def write_kv(kv_cache, layer_index, k, v, slot_mapping):
     """Scatter the new tokens' K/V [T, KV, D] into their slots of one layer,
-    in place on the donated pool [layers, blocks, block_size, KV, D]."""
-    layers, num_blocks, block_size = k_pool.shape[:3]
+    in place on the donated cache (pools [layers, blocks, block_size, KV, D]).
+    An int8 / fp8 cache gets the quantized values and their per-token scales."""
+    k_pool, v_pool = kv_cache[:2]
+    block_size = k_pool.shape[2]
     block, offset = slot_mapping // block_size, slot_mapping % block_size
-    k_pool = k_pool.at[layer_index, block, offset].set(k.astype(k_pool.dtype))
-    v_pool = v_pool.at[layer_index, block, offset].set(v.astype(v_pool.dtype))
-    return k_pool, v_pool
+    if not is_quantized(kv_cache):
+        k_pool = k_pool.at[layer_index, block, offset].set(k.astype(k_pool.dtype))
+        v_pool = v_pool.at[layer_index, block, offset].set(v.astype(v_pool.dtype))
+        return k_pool, v_pool
+    k_scales, v_scales = kv_cache[2:]
+    k_q, k_scale = quantize_kv(k, k_pool.dtype)
+    v_q, v_scale = quantize_kv(v, v_pool.dtype)
+    return (
+        k_pool.at[layer_index, block, offset].set(k_q),
+        v_pool.at[layer_index, block, offset].set(v_q),
+        k_scales.at[layer_index, block, offset].set(k_scale),
+        v_scales.at[layer_index, block, offset].set(v_scale),
+    )
 
 
 ATTENTION_BACKENDS = ("xla", "pallas", "pallas_interpret")
@@ -132,25 +159,33 @@ def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, bac
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
 
     def attend(q, k, v, kv_cache, layer_index):
-        k_pool, v_pool = write_kv(*kv_cache, layer_index, k[0], v[0], meta.slot_mapping)
+        kv_cache = write_kv(kv_cache, layer_index, k[0], v[0], meta.slot_mapping)
+        k_pool, v_pool = kv_cache[:2]
+        k_scales, v_scales = kv_cache[2:] if is_quantized(kv_cache) else (None, None)
         if backend == "xla":
-            out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index)
+            out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index,
+                                            k_scales=k_scales, v_scales=v_scales)
         else:
-            out = _pallas_attention(q[0], k_pool, v_pool, layer_index, meta, sliding_window, decode,
-                                    interpret=backend == "pallas_interpret")
-        return out[None].astype(q.dtype), (k_pool, v_pool)
+            out = _pallas_attention(q[0], k_pool, v_pool, k_scales, v_scales, layer_index, meta, sliding_window,
+                                    decode, interpret=backend == "pallas_interpret")
+        return out[None].astype(q.dtype), kv_cache
 
     return attend
 
 
-def _pallas_attention(q, k_pool, v_pool, layer_index, meta, sliding_window, decode, interpret):
+def _pallas_attention(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta, sliding_window, decode, interpret):
     # Imported here so the xla backend never needs the kernels' Pallas imports.
     from pallas_kernels.paged_decode_attention import paged_decode_attention
     from pallas_kernels.paged_prefill_attention import paged_prefill_attention
 
+    # A CPU fp8 pool is uint8 bits (see models/kv_cache.py): viewing it as fp8
+    # copies it, which only the interpret mode (tests) ever does.
+    k_pool, v_pool = as_fp8(k_pool), as_fp8(v_pool)
     if decode:
         out = paged_decode_attention(q[:, None], k_pool, v_pool, layer_index, meta.block_tables, meta.context_lens,
-                                     sliding_window=sliding_window, interpret=interpret)
+                                     k_scales=k_scales, v_scales=v_scales, sliding_window=sliding_window,
+                                     interpret=interpret)
         return out[:, 0]
     return paged_prefill_attention(q, k_pool, v_pool, layer_index, meta.block_tables, meta.context_lens,
-                                   meta.query_start, sliding_window=sliding_window, interpret=interpret)
+                                   meta.query_start, k_scales=k_scales, v_scales=v_scales,
+                                   sliding_window=sliding_window, interpret=interpret)

@@ -1,0 +1,62 @@
+"""Round-to-nearest quantization of a whole params pytree (models/llama.py layout).
+
+The seven per-layer linear weights are quantized with their layer axis (groups
+never cross layers); embeddings, norms and biases stay float. With
+include_head the output projection is quantized too; for tied embeddings
+that adds a quantized `lm_head` (embed.T), while the gather keeps the float
+table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from jaxinfer.quant.schemes import quantize
+from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
+
+LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+INT4_GROUP = 128
+
+
+def default_group_size(scheme: str, in_features: int) -> int | None:
+    """int4: 128 rows per group, or the largest power of two dividing both 128
+    and `in` (64 for SmolLM2's 576-wide hidden); int8 / fp8: per channel."""
+    return math.gcd(in_features, INT4_GROUP) if scheme == "int4" else None
+
+
+def quantize_weight(w, scheme: str, group_size: int | None = None, name: str = "weight") -> QuantizedTensor:
+    """One float [..., in, out] weight -> QuantizedTensor (float32 statistics)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {SCHEMES}")
+    if isinstance(w, QuantizedTensor):
+        raise ValueError(f"{name} is already quantized ({w.scheme}, group {w.group_size})")
+    group_size = group_size or default_group_size(scheme, w.shape[-2])
+    try:
+        return quantize(w, scheme, group_size)
+    except ValueError as e:
+        raise ValueError(f"cannot quantize {name} {tuple(w.shape)} as {scheme}: {e}") from None
+
+
+def quantize_params(params: dict, scheme: str, group_size: int | None = None, include_head: bool = False) -> dict:
+    """-> a new params dict with the linear weights quantized (the input is not modified).
+
+    group_size: rows per scale (int8: default per channel; int4: default 128,
+    see default_group_size; fp8 is always per channel)."""
+    if scheme == "fp8" and group_size is not None:
+        raise ValueError("fp8 is per output channel only; leave group_size unset")
+    out = dict(params)
+    layers = dict(params["layers"])
+    for key in LINEAR_KEYS:
+        layers[key] = quantize_weight(layers[key], scheme, group_size, name=f"layers/{key}")
+    out["layers"] = layers
+    if include_head:
+        head = params["lm_head"] if "lm_head" in params else params["embed"].T
+        out["lm_head"] = quantize_weight(head, scheme, group_size, name="lm_head")
+    return out
+
+
+def params_nbytes(params) -> int:
+    """Total bytes of a params pytree; a QuantizedTensor counts its data, scales and offsets."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params))
