@@ -113,6 +113,26 @@ def run_throughput(llm, requests) -> dict:
         "host_share_of_step_time": host / max(1e-9, host + device),
         "compilations_during_run": stats["num_compilations"] - stats_before["num_compilations"],
         "kv_memory": memory.summary(),
+        **({"speculative": speculation_summary(engine, stats_before, stats)} if engine.config.speculative else {}),
+    }
+
+
+def speculation_summary(engine, before: dict, after: dict) -> dict:
+    """Acceptance rate = accepted / proposed drafts; mean accepted length =
+    tokens a sequence emits per verification step (its accepted drafts + the
+    target's own token), averaged over the (sequence, step) verifications."""
+    spec = engine.config.speculative
+    proposed, accepted, verifications = (
+        after[key] - before[key] for key in ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verifications")
+    )
+    return {
+        "method": spec.method,
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "proposed_tokens": proposed,
+        "accepted_tokens": accepted,
+        "verifications": verifications,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_accepted_length": 1 + accepted / verifications if verifications else 1.0,
     }
 
 

@@ -1,4 +1,4 @@
-"""Command line: `jaxinfer generate ...`."""
+"""Command line: `jaxinfer generate | bench | convert | ppl ...`."""
 
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ def _bench(args) -> int:
     if args.kind == "throughput":
         options["scheduling_policy"] = args.scheduling_policy
         options["enable_prefix_caching"] = not args.no_prefix_caching
+    if args.speculative_method:
+        options["speculative"] = {"method": args.speculative_method,
+                                  "num_speculative_tokens": args.num_speculative_tokens}
     llm = LLM(args.model, dtype=args.dtype, **options)
     if args.kind == "throughput":
         requests = synthetic_requests(llm.model.config.vocab_size, args.num_prompts, args.input_len, args.output_len,
@@ -67,6 +70,41 @@ def _bench(args) -> int:
         result = run_latency(llm, args.batch_size, args.input_len, args.output_len)
     config = {k: v for k, v in vars(args).items() if k != "func"}
     print_and_save(f"bench {args.kind} ({llm.model.source})", {"config": config, **result}, args.json)
+    return 0
+
+
+def _convert(args) -> int:
+    from jaxinfer.convert import convert
+
+    try:
+        convert(None if args.src == "default" else args.src, args.out_dir, quantize=args.quantize, group_size=args.group_size,
+                calibration=args.calibration, dtype=args.dtype, include_head=args.include_head,
+                overwrite=args.overwrite)
+    except OSError as e:  # an existing or unwritable OUT_DIR
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _ppl(args) -> int:
+    from jaxinfer import load
+    from jaxinfer.perplexity import perplexity_of_text
+
+    try:
+        text = open(args.file, encoding="utf-8").read()
+    except OSError as e:
+        print(f"error: cannot read {args.file}: {e}", file=sys.stderr)
+        return 1
+    model = load(args.model, dtype=args.dtype, quantization=args.quantization)
+    start = time.perf_counter()
+    result = perplexity_of_text(model, text, context_len=args.context_len, stride=args.stride,
+                                kv_cache_dtype=args.kv_cache_dtype, progress=True)
+    elapsed = time.perf_counter() - start
+    print(f"perplexity {result.perplexity:.4f} (mean NLL {result.mean_nll:.4f} nats) over "
+          f"{result.num_tokens_scored} scored tokens of {result.num_tokens}, {result.num_windows} windows")
+    print(f"model {model.source}, dtype {args.dtype}, weights {args.quantization or 'as stored'}, "
+          f"kv cache {result.kv_cache_dtype}, context {result.context_len}, stride {result.stride} "
+          f"[{elapsed:.1f}s]")
     return 0
 
 
@@ -93,6 +131,9 @@ def main(argv=None) -> int:
         p.add_argument("--output-len", type=int, default=64)
         p.add_argument("--max-num-seqs", type=int, default=None)
         p.add_argument("--max-num-batched-tokens", type=int, default=None)
+        p.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
+                       help="speculative decoding (draft_model: the target itself as its draft)")
+        p.add_argument("--num-speculative-tokens", type=int, default=4)
         p.add_argument("--json", default=None, metavar="PATH")
     throughput.add_argument("--num-prompts", type=int, default=64)
     throughput.add_argument("--range-ratio", type=float, default=0.0)
@@ -102,6 +143,29 @@ def main(argv=None) -> int:
     throughput.add_argument("--seed", type=int, default=0)
     latency.add_argument("--batch-size", type=int, default=8)
     bench.set_defaults(func=_bench)
+    conv = commands.add_parser("convert", help="write a (quantized) jaxinfer checkpoint that loads straight to the device")
+    conv.add_argument("src", metavar="SRC", help="HF directory, .gguf file, jaxinfer checkpoint, or 'default' (the embedded model)")
+    conv.add_argument("out_dir", metavar="OUT_DIR")
+    conv.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "int4-awq", "fp8"])
+    conv.add_argument("--group-size", type=int, default=None,
+                      help="input rows per scale (int8: default per channel; int4: default 128 or what divides)")
+    conv.add_argument("--calibration", default=None, metavar="FILE", help="plain text for int4-awq")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                      help="dtype of the weights left unquantized")
+    conv.add_argument("--include-head", action="store_true", help="quantize the output projection too")
+    conv.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    conv.set_defaults(func=_convert)
+    ppl = commands.add_parser("ppl", help="perplexity of a text file (sliding window through the paged KV cache)")
+    ppl.add_argument("--model", default=None, help="HF directory, .gguf file or jaxinfer checkpoint "
+                                                   "(default: embedded SmolLM2-135M-Instruct)")
+    ppl.add_argument("file", metavar="FILE")
+    ppl.add_argument("--context-len", type=int, default=None, help="tokens per window (default min(model max, 1024))")
+    ppl.add_argument("--stride", type=int, default=None, help="window advance (default context_len // 2)")
+    ppl.add_argument("--quantization", default=None, choices=["gguf", "int8", "int4", "fp8"],
+                     help="quantize the weights at load time")
+    ppl.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
+    ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ppl.set_defaults(func=_ppl)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

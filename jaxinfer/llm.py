@@ -17,16 +17,25 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 class LLM:
-    """LLM(model=None, *, dtype="float32", progress=True, **engine_options).
+    """LLM(model=None, *, dtype="float32", quantization=None, progress=True, **engine_options).
 
     model: None (the embedded SmolLM2-135M-Instruct), a HF directory or a .gguf file.
+    quantization: None (float weights), "gguf" (keep a GGUF file's Q8_0 / Q4_0 / Q4_1
+    weights quantized), or "int8" | "int4" | "fp8" (quantize the linear weights at
+    load time); see `load`.
     engine_options: max_model_len, block_size, num_kv_blocks, kv_cache_memory_fraction,
     max_num_seqs, max_num_batched_tokens, enable_prefix_caching, scheduling_policy,
-    attention_backend ("xla", "pallas", "pallas_interpret"; default pallas on GPU, xla elsewhere).
+    attention_backend ("xla", "pallas", "pallas_interpret"; default pallas on GPU, xla elsewhere),
+    kv_cache_dtype ("auto": the model's dtype; "int8" or "fp8": quantized K/V with a float32 scale
+    per token and KV head, about 4x (float32 models) or 2x (bfloat16) the blocks for the same memory),
+    speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see spec/config.py).
     """
 
-    def __init__(self, model=None, *, dtype: str = "float32", progress: bool = True, **engine_options):
-        self.model = load(model, dtype=dtype, progress=progress)
+    def __init__(
+        self, model=None, *, dtype: str = "float32", quantization: str | None = None, progress: bool = True,
+        **engine_options,
+    ):
+        self.model = load(model, dtype=dtype, progress=progress, quantization=quantization)
         self.tokenizer = self.model.tokenizer
         if engine_options.get("max_model_len") is None:
             engine_options["max_model_len"] = min(self.model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)

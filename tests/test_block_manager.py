@@ -301,6 +301,32 @@ def test_token_collision_never_returns_other_tokens(monkeypatch):
     assert bm.allocate_prefix("x2", [1, 1, 0]) == 2 and bm.block_table("x2") == bm.block_table("x")[:1]
 
 
+def test_trim_releases_blocks_past_the_kept_tokens():
+    """Speculative decoding: slots allocated for drafts the target rejected are
+    given back; the accepted prefix and its registered blocks stay."""
+    bm = BlockManager(num_blocks=12, block_size=4)
+    prompt = list(range(9))
+    run_prompt(bm, "a", prompt)
+    assert bm.allocate("a", 9 + 8)  # the last token plus 8 drafts' slots: 5 blocks
+    table = bm.block_table("a")
+    assert len(table) == 5 and bm.num_used_blocks == 5
+    # Two drafts accepted, plus the target's token: 12 tokens, 11 computed.
+    tokens = prompt + [20, 21, 22]
+    bm.cache_full_blocks("a", tokens, 11)
+    assert bm.trim("a", len(tokens)) == 2
+    assert bm.block_table("a") == table[:3] and bm.num_used_blocks == 3
+    assert bm.trim("a", len(tokens)) == 0  # idempotent
+    bm.check_invariants()
+    assert bm.allocate_prefix("b", tokens[:8] + [5]) == 8  # the accepted blocks still hit
+    # Trimming into a shared, registered block only drops this holder.
+    assert bm.trim("a", 4) == 2 and bm.block_table("a") == table[:1]
+    bm.check_invariants()
+    bm.free("b")
+    bm.free("a")
+    assert bm.num_used_blocks == 0
+    bm.check_invariants()
+
+
 def test_check_invariants_catches_corruption():
     def fresh():
         bm = BlockManager(num_blocks=8, block_size=2)
@@ -448,6 +474,35 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq.num_computed_tokens = target
         if register:
             self.bm.cache_full_blocks(seq_id, seq.token_ids, target)
+
+    @precondition(lambda self: self.seqs)
+    @rule(index=st.integers(0, 99), drafts=st.lists(st.integers(0, 3), max_size=5), accepted=st.integers(0, 5),
+          bonus=st.integers(0, 3), register=st.booleans())
+    def speculate(self, index, drafts, accepted, bonus, register):
+        """A speculative step: compute the owed tokens plus drafts, keep the
+        accepted drafts and one more token, and trim the rejected drafts' blocks."""
+        seq_id = self._pick(index)
+        seq = self.seqs[seq_id]
+        accepted = min(accepted, len(drafts))
+        real = list(seq.token_ids)
+        seq.token_ids = real + drafts
+        self._compute(seq_id, len(seq.token_ids) - seq.num_computed_tokens, register=False)
+        if seq.num_computed_tokens < len(seq.token_ids):  # no blocks for the drafts: nothing ran
+            seq.token_ids = real
+            return
+        seq.token_ids = real + drafts[:accepted] + [bonus]
+        seq.num_computed_tokens = len(real) + accepted
+        table = self.tables[seq_id]
+        for i in range(seq.num_computed_tokens, len(real) + len(drafts)):
+            self.content[table[i // self.bs]][i % self.bs] = None  # rejected: to be rewritten
+        if register:
+            self.bm.cache_full_blocks(seq_id, seq.token_ids, seq.num_computed_tokens)
+        keep = -(-len(seq.token_ids) // self.bs)
+        released = set(table[keep:]) - self._held_elsewhere(seq_id)
+        free_before = self.bm.num_free_blocks
+        assert self.bm.trim(seq_id, len(seq.token_ids)) == len(table[keep:])
+        assert self.bm.num_free_blocks - free_before == len(released)
+        self.tables[seq_id] = table[:keep]
 
     @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99))

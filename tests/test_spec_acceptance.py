@@ -9,7 +9,7 @@ from scipy import stats
 
 from jaxinfer.engine.sampler import SamplingMetadata
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.spec.acceptance import verify
+from jaxinfer.spec.acceptance import verify, verify_greedy
 
 VOCAB = 6
 NUM_SAMPLES = 20000
@@ -41,6 +41,19 @@ def test_greedy_accepts_the_argmax_prefix_and_emits_the_target_token():
     for s in range(5):
         # Whatever was accepted, the emitted tokens are the target's argmax chain.
         assert tokens[s, : num_emitted[s]].tolist() == argmax[s, : num_emitted[s]].tolist()
+
+
+def test_greedy_fast_path_equals_verify():
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((6, 4, VOCAB)).astype(np.float32)
+    drafts = np.where(rng.random((6, 3)) < 0.7, logits.argmax(-1)[:, :3], rng.integers(0, VOCAB, (6, 3)))
+    num_drafts = np.array([3, 3, 2, 1, 0, 3], np.int32)
+    args = jnp.asarray(logits), jnp.asarray(drafts, jnp.int32), jnp.asarray(num_drafts)
+    tokens, num_emitted = map(np.asarray, verify(*args, meta_for(SamplingParams(temperature=0.0), 6)))
+    fast_tokens, fast_emitted = map(np.asarray, verify_greedy(*args))
+    assert fast_emitted.tolist() == num_emitted.tolist()
+    for s in range(6):
+        assert fast_tokens[s, : num_emitted[s]].tolist() == tokens[s, : num_emitted[s]].tolist()
 
 
 @pytest.mark.parametrize("proposer", ["deterministic", "distribution"])

@@ -240,20 +240,44 @@ class BlockManager:
         # Tail first, so the LRU evicts a sequence's tail before its head:
         # the head blocks are the ones other prompts are likely to share.
         for block_id in reversed(table):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count > 0:
-                continue
-            if block.block_hash is not None and self._cached[block.block_hash] == block_id:
-                self._evictable[block_id] = None
-                continue
-            if block.block_hash is not None:
-                duplicates = self._duplicates[block.block_hash]
-                duplicates.remove(block_id)
-                if not duplicates:
-                    del self._duplicates[block.block_hash]
-                block.forget()
-            self._free.append(block_id)
+            self._release(block_id)
+
+    def trim(self, seq_id, num_tokens: int) -> int:
+        """Shrink the table to the blocks covering the first num_tokens tokens
+        and release the rest (tail first); returns how many were released.
+
+        Speculative decoding allocates slots for draft tokens before knowing
+        how many the target accepts; the rejected drafts' slots are dropped
+        here. Nothing needs erasing: a slot past a sequence's computed tokens
+        is rewritten before any query reads it. Registered blocks past the new
+        end lose their place in this sequence's hash chain (they stay cached
+        for others, as after `free`)."""
+        table = self._tables[seq_id]
+        keep = -(-max(0, num_tokens) // self.block_size)
+        released = table[keep:]
+        for block_id in reversed(released):
+            self._release(block_id)
+        del table[keep:]
+        del self._seq_hashes[seq_id][keep:]
+        return len(released)
+
+    def _release(self, block_id: int) -> None:
+        """Drop one holder of a block: at ref count 0 it becomes evictable (the
+        cache entry for its hash) or plain free (uncached, or a duplicate)."""
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            return
+        if block.block_hash is not None and self._cached[block.block_hash] == block_id:
+            self._evictable[block_id] = None
+            return
+        if block.block_hash is not None:
+            duplicates = self._duplicates[block.block_hash]
+            duplicates.remove(block_id)
+            if not duplicates:
+                del self._duplicates[block.block_hash]
+            block.forget()
+        self._free.append(block_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody holds; blocks in use stay cached."""

@@ -2,7 +2,9 @@
 
 One step is: Scheduler.schedule() (host) -> ModelRunner.prepare()+run() (one jitted
 device call) -> _process() (host: append sampled tokens, detokenize, check
-stops, free finished sequences). Bad requests are rejected at add_request
+stops, free finished sequences). With `speculative=` set, a pure-decode step
+first asks the proposer (spec/) for drafts, and the target verifies them in
+one call (prepare_spec + run_spec) -> _process_spec() (see _propose). Bad requests are rejected at add_request
 with an error naming the problem; the engine keeps serving the others.
 """
 
@@ -14,7 +16,6 @@ import time
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.block_manager import BlockManager
@@ -22,9 +23,12 @@ from jaxinfer.engine.request import Sequence
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.model import Model
+from jaxinfer.models import kv_cache
 from jaxinfer.models.paged_attention import ATTENTION_BACKENDS
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.spec.config import SpeculativeConfig
+from jaxinfer.spec.proposer import build_proposer, max_drafts
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,11 @@ class EngineConfig:
     scheduling_policy: str = "continuous"
     # None: "pallas" on GPU, "xla" elsewhere (see models/paged_attention.py).
     attention_backend: str | None = None
+    # "auto" (the model's dtype), "int8" or "fp8" (see models/kv_cache.py).
+    kv_cache_dtype: str = "auto"
+    # None, or {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
+    # (see spec/config.py); parsed into a SpeculativeConfig.
+    speculative: dict | SpeculativeConfig | None = None
 
     def __post_init__(self):
         platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
@@ -63,6 +72,8 @@ class EngineConfig:
         self.attention_backend = self.attention_backend or ("pallas" if platform == "gpu" else "xla")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        kv_cache.check_kv_cache_dtype(self.kv_cache_dtype)
+        self.speculative = SpeculativeConfig.parse(self.speculative)
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -98,15 +109,16 @@ class _RequestState:
         )
 
 
-def kv_block_bytes(model: Model, block_size: int) -> int:
-    c = model.config
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * np.dtype(model.dtype).itemsize
+def kv_block_bytes(model: Model, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    return kv_cache.kv_block_bytes(model.config, block_size, model.dtype, kv_cache_dtype)
 
 
-def choose_num_blocks(model: Model, config: EngineConfig) -> int:
+def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int = 0) -> int:
+    """extra_block_bytes: memory per block of another pool with as many blocks
+    (a draft model's), which shares the budget."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_block_bytes(model, config.block_size)
+    per_block = kv_block_bytes(model, config.block_size, config.kv_cache_dtype) + extra_block_bytes
     device = jax.devices()[0]
     stats = device.memory_stats() if device.platform == "gpu" else None
     if stats and "bytes_limit" in stats:
@@ -124,19 +136,34 @@ class LLMEngine:
         self.model = model
         self.config = config
         self.tokenizer = model.tokenizer
-        num_blocks = choose_num_blocks(model, config)
+        spec = config.speculative
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            from jaxinfer.spec.draft_model import load_draft_model
+
+            draft = load_draft_model(spec, model, progress)  # before sizing the pools: it takes memory
+        extra = kv_block_bytes(draft, config.block_size, config.kv_cache_dtype) if draft is not None else 0
+        num_blocks = choose_num_blocks(model, config, extra)
         c = model.config
-        shape = (c.num_layers, num_blocks, config.block_size, c.num_kv_heads, c.head_dim)
-        kv_cache = (jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+        cache = kv_cache.allocate_kv_cache(c, num_blocks, config.block_size, model.dtype, config.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
         )
         self.runner = ModelRunner(
-            c, model.params, kv_cache, config.block_size, config.max_model_len,
+            c, model.params, cache, config.block_size, config.max_model_len,
             config.max_num_seqs, config.max_num_batched_tokens, config.attention_backend,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            with_features=spec is not None and spec.method == "eagle",
         )
         self.runner.warmup(progress)
+        # The draft model's pool has as many blocks as the target's.
+        self.proposer = build_proposer(spec, draft or model, config, num_blocks, progress) if spec is not None else None
+        if self.proposer is not None:
+            self.scheduler.on_release = self.proposer.release
+        self.spec_proposed_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_verifications = 0  # (sequence, step) pairs that verified at least one draft
         self.requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -227,16 +254,57 @@ class LLMEngine:
         now = time.perf_counter()
         for seq in batch.sequences:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
+        proposer_device = self.proposer.device_time if self.proposer is not None else 0.0
+        drafts = self._propose(batch)
         tables = [self.block_manager.block_table(s.seq_id) for s in batch.sequences]
-        inputs, with_penalties = self.runner.prepare(batch, tables)
+        if drafts is None:
+            inputs, with_penalties = self.runner.prepare(batch, tables)
+        else:
+            inputs, with_penalties = self.runner.prepare_spec(batch, tables, drafts)
         device_start = time.perf_counter()
-        out = jax.tree.map(np.asarray, self.runner.run(inputs, with_penalties))
+        run = self.runner.run if drafts is None else self.runner.run_spec
+        out = jax.tree.map(np.asarray, run(inputs, with_penalties))
         device_end = time.perf_counter()
-        touched = self._process(batch, out)
+        if self.runner.with_features:  # an EAGLE proposer drafts from the target's features
+            self.proposer.observe(batch, np.asarray(self.runner.last_features), drafts)
+        touched = self._process(batch, out) if drafts is None else self._process_spec(batch, drafts, out)
+        if self.proposer is not None:
+            for seq in batch.sequences:
+                if not seq.is_finished:  # finished ones were released
+                    self.proposer.sync(seq)
+            proposer_device = self.proposer.device_time - proposer_device
         end = time.perf_counter()
-        self.device_time += device_end - device_start
-        self.host_time += (device_start - start) + (end - device_end)
+        device = device_end - device_start + proposer_device
+        self.device_time += device
+        self.host_time += end - start - device
         return touched
+
+    def _propose(self, batch) -> list[list[int]] | None:
+        """Drafts per sequence for a verification step, or None for a plain step.
+
+        Only a pure-decode step speculates (every sequence owes just its last
+        token): a step with a prompt chunk runs without drafts, as do requests
+        with penalties or logprobs (spec/proposer.py: max_drafts), and a
+        sequence the proposer has nothing for decodes one token in the same
+        verification batch. Draft slots are allocated here; a sequence that
+        cannot get them verifies no drafts (drafts never preempt anyone).
+        A verification step holds n * (1 + K) rows for a decode bucket of n
+        sequences, which may exceed max_num_batched_tokens: the budget
+        bounds the scheduled tokens, and drafts ride on top of it.
+        """
+        if self.proposer is None or any(
+            n != 1 or s.num_computed_tokens != s.num_tokens - 1 for s, n in zip(batch.sequences, batch.num_new_tokens)
+        ):
+            return None
+        k = self.config.speculative.num_speculative_tokens
+        caps = [max_drafts(s, k, self.config.max_model_len) for s in batch.sequences]
+        if not any(caps):
+            return None
+        drafts = self.proposer.propose(batch.sequences, caps)
+        for seq, draft in zip(batch.sequences, drafts):
+            if draft and not self.block_manager.allocate(seq.seq_id, seq.num_tokens + len(draft)):
+                draft.clear()
+        return drafts if any(drafts) else None
 
     def _process(self, batch, out) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -246,10 +314,45 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids(), seq.num_computed_tokens)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prompt chunk that did not reach the end: nothing sampled
-            self._append_token(seq, i, out, now)
+            self._append_token(seq, int(out.token_ids[i]), out, i, now)
             touched[seq.request_id] = self.requests[seq.request_id]
             if seq.output.finish_reason is not None:
                 self.scheduler.finish(seq)
+        return self._outputs(touched, now)
+
+    def _process_spec(self, batch, drafts, out) -> list[RequestOutput]:
+        """A verification step's outputs: each sequence emits its accepted
+        drafts and the target's token, one at a time through the usual checks,
+        stopping at the first stop (EOS, stop id or string, max_tokens).
+
+        The cache then holds valid K/V for the last token and the accepted
+        drafts: num_computed_tokens advances by 1 + accepted and only those
+        tokens' full blocks are registered in the prefix cache. The rejected
+        drafts' slots are simply rewritten by later steps (nothing reads a
+        slot past a sequence's computed tokens before it is rewritten); the
+        blocks past the sequence's length are trimmed."""
+        now = time.perf_counter()
+        touched: dict[str, _RequestState] = {}
+        for i, (seq, draft) in enumerate(zip(batch.sequences, drafts)):
+            num_emitted = int(out.num_emitted[i])
+            if draft:
+                self.spec_proposed_tokens += len(draft)
+                self.spec_accepted_tokens += num_emitted - 1
+                self.spec_verifications += 1
+            first = seq.num_computed_tokens
+            for j in range(num_emitted):
+                self._append_token(seq, int(out.token_ids[i, j]), out, i, now)
+                seq.num_computed_tokens = first + j + 1
+                if seq.output.finish_reason is not None:
+                    break
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids(), seq.num_computed_tokens)
+            self.block_manager.trim(seq.seq_id, seq.num_tokens)
+            touched[seq.request_id] = self.requests[seq.request_id]
+            if seq.output.finish_reason is not None:
+                self.scheduler.finish(seq)
+        return self._outputs(touched, now)
+
+    def _outputs(self, touched: dict, now: float) -> list[RequestOutput]:
         results = []
         for state in touched.values():
             output = state.output()
@@ -259,9 +362,10 @@ class LLMEngine:
             results.append(output)
         return results
 
-    def _append_token(self, seq: Sequence, row: int, out, now: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, out, row: int, now: float) -> None:
+        """Append one token and check the stops; out[row] holds its logprobs
+        (only read for requests with logprobs, which never have drafts)."""
         params, completion = seq.params, seq.output
-        token = int(out.token_ids[row])
         completion.token_ids.append(token)
         seq.metrics.first_token_time = seq.metrics.first_token_time or now
         seq.metrics.last_token_time = now
@@ -295,8 +399,9 @@ class LLMEngine:
     # -- introspection -------------------------------------------------------
     def stats(self) -> dict:
         bm = self.block_manager
+        proposer = self.proposer
         return {
-            "num_compilations": self.runner.num_compilations,
+            "num_compilations": self.runner.num_compilations + (proposer.num_compilations if proposer else 0),
             "kv_blocks_total": bm.num_usable_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "prefix_cache_hits": bm.prefix_cache_hits,
@@ -304,6 +409,11 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "host_time_s": self.host_time,
             "device_time_s": self.device_time,
+            # Speculative decoding (0 without): drafts verified, drafts accepted,
+            # and (sequence, step) verifications with at least one draft.
+            "spec_proposed_tokens": self.spec_proposed_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_verifications": self.spec_verifications,
         }
 
 

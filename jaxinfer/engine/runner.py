@@ -14,12 +14,28 @@ keeps the sampler's variants from multiplying the model's compilations.
 Everything compiles at warm-up; a compilation after warm-up is counted and
 logged as an error. The paged KV pool is donated into each forward call, so
 it is updated in place.
+
+Speculative decoding (num_speculative_tokens K > 0) adds two programs per
+decode bucket n, keyed by (n, K): the verification forward over n sequences
+of exactly 1 + K rows each (the last token, then the drafts; a sequence with
+fewer drafts pads its rows, which write to the null block and whose logits
+verification ignores), with logits at every row, attending through
+spec/attention.py (one context gather per sequence, not per row; the
+multi-query decode kernel on Pallas backends); and `_verify_step`
+(spec/acceptance.verify on the device). Rows without drafts take their token
+from the ordinary sampler program of bucket n on their first row's logits,
+so penalties and logprobs (whose requests never get drafts) work unchanged
+in a verification step and no penalty variant of verification is compiled.
+Only pure-decode steps verify drafts, so the token count is always n(1 + K)
+and one program per n suffices. A draft model's runner is `greedy_only`: its
+sampler is an argmax.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +46,12 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.request import Sequence
 from jaxinfer.engine.sampler import SamplingMetadata, make_penalty_inputs, sample
 from jaxinfer.engine.scheduler import ScheduledBatch
+from jaxinfer.models.layers import rms_norm
 from jaxinfer.models.llama import compute_logits, forward
 from jaxinfer.models.paged_attention import PagedAttentionMetadata, paged_cache_attention
 from jaxinfer.sampling_params import MAX_LOGPROBS
+from jaxinfer.spec.acceptance import verify, verify_greedy
+from jaxinfer.spec.attention import verification_attention
 from jaxinfer.utils import bucket_size
 
 log = logging.getLogger(__name__)
@@ -45,18 +64,28 @@ def _powers_of_two(low: int, high: int) -> list[int]:
     return sizes
 
 
-def _uses_penalties(seq: Sequence) -> bool:
+def uses_penalties(seq: Sequence) -> bool:
     p = seq.params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "decode"), donate_argnames=("kv_cache",))
+def _body(params, config: ModelConfig, kv_cache, tokens, attn_meta, attention, with_features: bool):
+    """-> (hidden after the final norm [T, hidden], features or None, cache);
+    features are the pre-norm hidden states of every row (spec/eagle_head.py)."""
+    pre, kv_cache = forward(params, config, tokens[None], attn_meta.positions[None], attention, kv_cache,
+                            final_norm=False)
+    hidden = rms_norm(pre[0], params["final_norm"], config.rms_norm_eps)
+    return hidden, (pre[0] if with_features else None), kv_cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "decode", "with_features"),
+                   donate_argnames=("kv_cache",))
 def _forward_step(params, kv_cache, tokens, attn_meta, logits_indices, *, config: ModelConfig, backend: str,
-                  decode: bool):
+                  decode: bool, with_features: bool = False):
     attention = paged_cache_attention(attn_meta, config.sliding_window, backend, decode)
-    hidden, kv_cache = forward(params, config, tokens[None], attn_meta.positions[None], attention, kv_cache)
+    hidden, features, kv_cache = _body(params, config, kv_cache, tokens, attn_meta, attention, with_features)
     # Logits only where a token is sampled: one row per sequence.
-    return compute_logits(params, hidden[0][logits_indices]), kv_cache
+    return compute_logits(params, hidden[logits_indices]), features, kv_cache
 
 
 @functools.partial(jax.jit, static_argnames=("with_penalties",))
@@ -65,15 +94,63 @@ def _sample_step(logits, sampling_meta, penalty_inputs, *, with_penalties: bool)
     return sample(logits, sampling_meta, prompt_mask, output_counts, num_logprobs=MAX_LOGPROBS)
 
 
+class SpecOutput(NamedTuple):
+    """A verification step's result on the host."""
+
+    token_ids: np.ndarray  # i32 [S, 1 + K]: the first num_emitted are emitted
+    num_emitted: np.ndarray  # i32 [S]: accepted drafts + 1
+    # The ordinary sampler's fields for the first row (None when every row had drafts).
+    logprobs: np.ndarray | None
+    logprob_token_ids: np.ndarray | None
+    sampled_rank: np.ndarray | None
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "with_features"), donate_argnames=("kv_cache",))
+def _spec_forward_step(params, kv_cache, tokens, attn_meta, *, config: ModelConfig, backend: str,
+                       with_features: bool = False):
+    """-> logits at every row [S, 1 + K, V], the first rows' [S, V], features, and the cache."""
+    num_seqs = attn_meta.context_lens.shape[0]
+    rows = tokens.shape[0] // num_seqs
+    attention = verification_attention(attn_meta, rows, config.sliding_window, backend)
+    hidden, features, kv_cache = _body(params, config, kv_cache, tokens, attn_meta, attention, with_features)
+    logits = compute_logits(params, hidden).reshape(num_seqs, rows, -1)
+    return logits, logits[:, 0], features, kv_cache
+
+
+@jax.jit
+def _verify_step(logits, draft_tokens, num_drafts, sampling_meta):
+    return jax.lax.cond(
+        jnp.all(sampling_meta.temperature <= 0.0),
+        lambda: verify_greedy(logits, draft_tokens, num_drafts),
+        lambda: verify(logits, draft_tokens, num_drafts, sampling_meta),
+    )
+
+
+@jax.jit
+def _argmax_step(logits):
+    # The lowest id wins ties, as in the sampler's greedy rows.
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, params, kv_cache, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, attention_backend: str = "xla"):
+                 max_num_seqs: int, max_num_batched_tokens: int, attention_backend: str = "xla",
+                 num_speculative_tokens: int = 0, greedy_only: bool = False, with_features: bool = False):
         self.config = config
+        # with_features: every forward also returns the pre-norm hidden state of
+        # each row, kept in `last_features` (device, [rows, hidden]) for an
+        # EAGLE proposer; off otherwise, so no other engine pays for it.
+        self.with_features = with_features
+        self.last_features = None
         self.attention_backend = attention_backend
         self.params = params
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.greedy_only = greedy_only
+        # A verification row past the last draft sits at a position up to K
+        # beyond the sequence; its table entry must exist (it reads the null block).
+        self.max_blocks_per_seq = -(-(max_model_len + num_speculative_tokens) // block_size)
         self.token_buckets = _powers_of_two(16, max_num_batched_tokens)
         self.seq_buckets = _powers_of_two(8, max_num_seqs)
         # Padding one decode token to 16 would multiply a memory-bound step's compute by 16.
@@ -89,11 +166,19 @@ class ModelRunner:
         return decode + [(t, s, False) for t in self.token_buckets for s in self.seq_buckets if s <= t]
 
     def programs(self) -> list[tuple]:
-        """Every program warm-up compiles: forward per bucket, sampler per seqs bucket and penalty flag."""
+        """Every program warm-up compiles: forward per bucket, sampler per seqs
+        bucket and penalty flag (an argmax per seqs bucket when greedy_only),
+        and with K drafts, verification forward and acceptance per decode bucket."""
         seq_sizes = sorted({s for _, s, _ in self.buckets()})
-        return [("forward", *bucket) for bucket in self.buckets()] + [
-            ("sample", s, pen) for s in seq_sizes for pen in (False, True)
-        ]
+        forward = [("forward", *bucket) for bucket in self.buckets()]
+        if self.greedy_only:
+            return forward + [("argmax", s) for s in seq_sizes]
+        programs = forward + [("sample", s, pen) for s in seq_sizes for pen in (False, True)]
+        k = self.num_speculative_tokens
+        if k:
+            programs += [("spec_forward", n, k) for n in self.decode_buckets]
+            programs += [("verify", n, k) for n in self.decode_buckets]
+        return programs
 
     def bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int, bool]:
         if num_tokens == num_seqs:
@@ -102,16 +187,33 @@ class ModelRunner:
         return bucket_size(num_tokens, 16), bucket_size(num_seqs, 8), False
 
     def warmup(self, progress: bool = True) -> None:
+        vocab = self.config.vocab_size
         for program in tqdm(self.programs(), desc="compiling", unit="program", disable=not progress, leave=False):
-            if program[0] == "forward":
+            kind = program[0]
+            if kind == "forward":
                 _, num_tokens, num_seqs, decode = program
-                self._forward(*self._dummy_forward_inputs(num_tokens, num_seqs), decode)
+                tokens, meta, _ = self._dummy_forward_inputs(num_tokens, num_seqs)
+                jax.block_until_ready(self._forward(tokens, meta, np.zeros(num_seqs, np.int32), decode))
+            elif kind == "spec_forward":
+                _, num_seqs, k = program
+                tokens, meta, _ = self._dummy_forward_inputs(num_seqs * (1 + k), num_seqs)
+                jax.block_until_ready(self._spec_forward(tokens, meta))
+            elif kind == "argmax":
+                _, num_seqs = program
+                jax.block_until_ready(self._argmax(jnp.zeros((num_seqs, vocab), jnp.float32)))
             else:
-                _, num_seqs, with_penalties = program
+                num_seqs = program[1]
                 sampling = SamplingMetadata.from_params([None] * num_seqs, [0] * num_seqs, [0] * num_seqs, num_seqs)
-                penalties = make_penalty_inputs([], [], self.config.vocab_size, num_seqs) if with_penalties else None
-                logits = jnp.zeros((num_seqs, self.config.vocab_size), jnp.float32)
-                jax.block_until_ready(self._sample(logits, sampling, penalties, with_penalties))
+                if kind == "sample":
+                    with_penalties = program[2]
+                    penalties = make_penalty_inputs([], [], vocab, num_seqs) if with_penalties else None
+                    logits = jnp.zeros((num_seqs, vocab), jnp.float32)
+                    jax.block_until_ready(self._sample(logits, sampling, penalties, with_penalties))
+                else:
+                    k = program[2]
+                    logits = jnp.zeros((num_seqs, 1 + k, vocab), jnp.float32)
+                    drafts, num_drafts = np.zeros((num_seqs, k), np.int32), np.zeros(num_seqs, np.int32)
+                    jax.block_until_ready(self._verify(logits, drafts, num_drafts, sampling))
         self.warmed_up = True
 
     def _dummy_forward_inputs(self, num_tokens: int, num_seqs: int):
@@ -134,9 +236,9 @@ class ModelRunner:
 
     def _forward(self, tokens, meta, logits_indices, decode: bool):
         self._count(("forward", len(tokens), len(logits_indices), decode))
-        logits, self.kv_cache = _forward_step(
+        logits, self.last_features, self.kv_cache = _forward_step(
             self.params, self.kv_cache, tokens, meta, logits_indices, config=self.config,
-            backend=self.attention_backend, decode=decode,
+            backend=self.attention_backend, decode=decode, with_features=self.with_features,
         )
         return logits
 
@@ -144,10 +246,50 @@ class ModelRunner:
         self._count(("sample", logits.shape[0], with_penalties))
         return _sample_step(logits, sampling, penalties, with_penalties=with_penalties)
 
+    def _spec_forward(self, tokens, meta):
+        num_seqs = len(meta.context_lens)
+        self._count(("spec_forward", num_seqs, len(tokens) // num_seqs - 1))
+        logits, first_logits, self.last_features, self.kv_cache = _spec_forward_step(
+            self.params, self.kv_cache, tokens, meta, config=self.config, backend=self.attention_backend,
+            with_features=self.with_features,
+        )
+        return logits, first_logits
+
+    def _verify(self, logits, drafts, num_drafts, sampling):
+        self._count(("verify", drafts.shape[0], drafts.shape[1]))
+        return _verify_step(logits, drafts, num_drafts, sampling)
+
+    def _argmax(self, logits):
+        self._count(("argmax", logits.shape[0]))
+        return _argmax_step(logits)
+
     def run(self, inputs, with_penalties: bool):
         """One step on the device: forward, then sampling; returns the SamplerOutput (device arrays)."""
         tokens, meta, logits_indices, decode, sampling, penalties = inputs
         return self._sample(self._forward(tokens, meta, logits_indices, decode), sampling, penalties, with_penalties)
+
+    def run_greedy(self, inputs):
+        """One step of a greedy_only runner: forward, then argmax; int32 [seqs bucket] (device)."""
+        tokens, meta, logits_indices, decode, _, _ = inputs
+        return self._argmax(self._forward(tokens, meta, logits_indices, decode))
+
+    def run_spec(self, inputs, with_penalties: bool) -> SpecOutput:
+        """One verification step: forward with logits at every row, acceptance,
+        and the ordinary sampler for rows without drafts when there are any
+        (padding rows count: they are real sequences only below num_real)."""
+        tokens, meta, drafts, num_drafts, sampling, penalties, num_real = inputs
+        logits, first_logits = self._spec_forward(tokens, meta)
+        verified = self._verify(logits, drafts, num_drafts, sampling)
+        plain = None
+        if not num_drafts[:num_real].all():
+            plain = self._sample(first_logits, sampling, penalties, with_penalties)
+        token_ids, num_emitted = np.array(verified[0]), np.array(verified[1])
+        if plain is None:
+            return SpecOutput(token_ids, num_emitted, None, None, None)
+        drafted = num_drafts > 0
+        token_ids[:, 0] = np.where(drafted, token_ids[:, 0], np.asarray(plain.token_ids))
+        num_emitted = np.where(drafted, num_emitted, 1)
+        return SpecOutput(token_ids, num_emitted, *(np.asarray(x) for x in plain[1:]))
 
     def prepare(self, batch: ScheduledBatch, block_tables: list[list[int]]):
         """Host arrays for one step, padded to the batch's bucket."""
@@ -176,14 +318,61 @@ class ModelRunner:
             query_start[i + 1] = start
         query_start[len(batch) + 1 :] = start  # padding sequences own no rows
         meta = PagedAttentionMetadata(slots, positions, token_seq, tables, context_lens, query_start)
-        seqs = batch.sequences
+        if self.greedy_only:
+            return (tokens, meta, logits_indices, decode, None, None), False
+        sampling, penalties, with_penalties = self._sampling_inputs(batch.sequences, num_seqs)
+        return (tokens, meta, logits_indices, decode, sampling, penalties), with_penalties
+
+    def _sampling_inputs(self, seqs: list[Sequence], num_seqs: int):
         sampling = SamplingMetadata.from_params(
             [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs], num_seqs
         )
-        with_penalties = any(_uses_penalties(s) for s in seqs)
+        with_penalties = any(uses_penalties(s) for s in seqs)
         penalties = None
         if with_penalties:
             penalties = make_penalty_inputs(
                 [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], self.config.vocab_size, num_seqs
             )
-        return (tokens, meta, logits_indices, decode, sampling, penalties), with_penalties
+        return sampling, penalties, with_penalties
+
+    def prepare_spec(self, batch: ScheduledBatch, block_tables: list[list[int]], drafts: list[list[int]]):
+        """Host arrays for a verification step of a pure-decode batch: each
+        sequence's last token and its drafts (at most K), padded to 1 + K rows
+        and to a decode bucket of sequences. The caller has allocated blocks
+        for every draft. Padding rows write to the null block; the sequence's
+        context length counts them, so that query row j sits at position
+        num_computed + j as bottom-right causal attention expects, and a real
+        row never attends to them (they come after it)."""
+        k = self.num_speculative_tokens
+        rows = 1 + k
+        num_seqs = bucket_size(len(batch), 1)
+        tokens = np.zeros(num_seqs * rows, np.int32)
+        positions = np.zeros(num_seqs * rows, np.int32)
+        slots = np.zeros(num_seqs * rows, np.int32)
+        token_seq = np.zeros(num_seqs * rows, np.int32)
+        tables = np.zeros((num_seqs, self.max_blocks_per_seq), np.int32)
+        context_lens = np.zeros(num_seqs, np.int32)
+        query_start = np.zeros(num_seqs + 1, np.int32)
+        draft_tokens = np.zeros((num_seqs, k), np.int32)
+        num_drafts = np.zeros(num_seqs, np.int32)
+        for i, (seq, table, draft) in enumerate(zip(batch.sequences, block_tables, drafts)):
+            first = seq.num_computed_tokens
+            if first != seq.num_tokens - 1 or len(draft) > k:
+                raise ValueError(f"sequence {seq.seq_id}: not a decode step with at most {k} drafts")
+            start, real = i * rows, 1 + len(draft)
+            pos = np.arange(first, first + rows, dtype=np.int32)
+            table = np.asarray(table, np.int32)
+            tokens[start] = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
+            tokens[start + 1 : start + real] = draft
+            positions[start : start + rows] = pos
+            slots[start : start + real] = table[pos[:real] // self.block_size] * self.block_size + pos[:real] % self.block_size
+            token_seq[start : start + rows] = i
+            tables[i, : len(table)] = table
+            context_lens[i] = first + rows
+            query_start[i + 1] = start + rows
+            draft_tokens[i, : len(draft)] = draft
+            num_drafts[i] = len(draft)
+        query_start[len(batch) + 1 :] = len(batch) * rows  # padding sequences own no rows
+        meta = PagedAttentionMetadata(slots, positions, token_seq, tables, context_lens, query_start)
+        sampling, penalties, with_penalties = self._sampling_inputs(batch.sequences, num_seqs)
+        return (tokens, meta, draft_tokens, num_drafts, sampling, penalties, len(batch)), with_penalties

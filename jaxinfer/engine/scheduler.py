@@ -18,6 +18,7 @@ running, then run it until every member finishes.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxinfer.engine.block_manager import BlockManager
@@ -44,6 +45,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Called with a sequence whose blocks were just freed (preempted,
+        # finished or aborted), so that state kept beside the KV cache (a
+        # draft model's own cache) is freed with it.
+        self.on_release: Callable[[Sequence], None] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -53,6 +58,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -126,3 +133,5 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq.seq_id)
+        if self.on_release is not None:
+            self.on_release(seq)

@@ -15,7 +15,12 @@ activations multiply them from the left (`x @ w`):
                  mlp_norm [L, hidden]
                  w_gate [L, hidden, ffn]  w_up [L, hidden, ffn]  w_down [L, ffn, hidden]
     final_norm   [hidden]
-    lm_head      [hidden, vocab]        (absent when embeddings are tied)
+    lm_head      [hidden, vocab]        (absent when embeddings are tied, unless quantized)
+
+Any linear weight (the seven per-layer ones and lm_head) may instead be a
+QuantizedTensor (quant/tensor.py) of the same logical shape; every matmul goes
+through quant/linear.py, which dispatches on the type. The embedding table
+stays a float array (it is gathered, not multiplied).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq
+from jaxinfer.quant.linear import linear
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -54,7 +60,35 @@ def param_shapes(config: ModelConfig) -> dict:
     return shapes
 
 
-def forward(params: dict, config: ModelConfig, tokens, positions, attention: AttentionFn, kv_cache=None):
+def decoder_layer(p: dict, config: ModelConfig, x, positions, inv_freq, attention: AttentionFn, kv_cache, layer_index):
+    """One transformer block over x [B, T, hidden] with one layer's weights `p`
+    (the per-layer dicts above without the leading L axis); returns (x, kv_cache).
+    Shared by the model body and the EAGLE draft head (spec/eagle_head.py)."""
+    c = config
+    batch, seq = x.shape[:2]
+
+    def project(h, w, b):
+        y = linear(h, w)
+        return y if b is None else y + b
+
+    h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+    q = project(h, p["wq"], p.get("bq")).reshape(batch, seq, c.num_heads, c.head_dim)
+    k = project(h, p["wk"], p.get("bk")).reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    v = project(h, p["wv"], p.get("bv")).reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    attn, kv_cache = attention(q, k, v, kv_cache, layer_index)
+    x = x + linear(attn.reshape(batch, seq, c.num_heads * c.head_dim), p["wo"])
+    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+    x = x + linear(jax.nn.silu(linear(h, p["w_gate"])) * linear(h, p["w_up"]), p["w_down"])
+    return x, kv_cache
+
+
+def forward(params: dict, config: ModelConfig, tokens, positions, attention: AttentionFn, kv_cache=None,
+            final_norm: bool = True):
     """Run the transformer body.
 
     tokens, positions: int32 [B, T]. `attention` implements the attention of
@@ -62,44 +96,31 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
     layers (or None). The cache rides in the scan carry, not in xs/ys, so each
     layer updates only its new tokens' slots in place instead of XLA copying
     a whole layer slice of the cache per step. Returns (hidden [B, T, hidden]
-    after the final norm, updated kv_cache).
+    after the final norm, updated kv_cache); with final_norm=False the hidden
+    states are the last layer's residual stream before the norm (the
+    features an EAGLE draft head reads).
     """
     c = config
     inv_freq = rope_inv_freq(c)
-    batch, seq = tokens.shape
     x = params["embed"][tokens]
-
-    def project(h, w, b):
-        y = h @ w
-        return y if b is None else y + b
 
     def layer(carry, per_layer):
         x, kv_cache = carry
         p, layer_index = per_layer
-        h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-        q = project(h, p["wq"], p.get("bq")).reshape(batch, seq, c.num_heads, c.head_dim)
-        k = project(h, p["wk"], p.get("bk")).reshape(batch, seq, c.num_kv_heads, c.head_dim)
-        v = project(h, p["wv"], p.get("bv")).reshape(batch, seq, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
-            k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        attn, kv_cache = attention(q, k, v, kv_cache, layer_index)
-        x = x + attn.reshape(batch, seq, c.num_heads * c.head_dim) @ p["wo"]
-        h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-        return (x, kv_cache), None
+        return decoder_layer(p, c, x, positions, inv_freq, attention, kv_cache, layer_index), None
 
     layer_indices = jnp.arange(c.num_layers, dtype=jnp.int32)
     (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), (params["layers"], layer_indices))
+    if not final_norm:
+        return x, kv_cache
     return rms_norm(x, params["final_norm"], c.rms_norm_eps), kv_cache
 
 
 def compute_logits(params: dict, hidden):
-    """Project hidden states to float32 vocabulary logits (tied or untied head)."""
+    """Project hidden states to float32 vocabulary logits (tied or untied head;
+    a quantized head of tied embeddings is stored as lm_head too)."""
     if "lm_head" in params:
-        logits = hidden @ params["lm_head"]
+        logits = linear(hidden, params["lm_head"])
     else:
         logits = jnp.einsum("...d,vd->...v", hidden, params["embed"])
     return logits.astype(jnp.float32)

@@ -15,13 +15,25 @@ sequence then emits its accepted drafts plus one more token:
                min(1, p_j(d_j) / q_j(d_j)); at the first rejection the extra
                token is drawn from norm(max(0, p_j - q_j)); when all K pass,
                from p_K. The emitted tokens are then distributed exactly as
-               the target's own samples. A deterministic proposer (n-gram)
-               has q_j = one-hot(d_j).
+               the target's own samples.
+
+A deterministic proposer (n-gram, and the draft model and EAGLE head, whose
+drafts are greedy) has q_j = one-hot(d_j): acceptance probability p_j(d_j)
+and, on rejection, the residual p_j without d_j, renormalized. `verify`
+realizes that same rule by coupling: it draws the target's own token x_j
+from p_j at every row with the key plain decoding would use for that output
+index, accepts d_j iff x_j == d_j, and emits x_j at the first mismatch. Then
+P(accept) = p_j(d_j), and a rejected row's x_j is distributed as p_j
+conditioned on x_j != d_j, which is norm(max(0, p_j - one-hot(d_j))). The
+emitted tokens are moreover exactly the tokens non-speculative sampling
+with the same seed emits, whatever was drafted, so a seeded request's output
+does not depend on its batch, on cache pressure or on the proposer.
 
 Randomness follows the sampler's rule (jaxinfer/engine/sampler.py): the
 token emitted as a request's n-th output uses key fold_in(key(seed), n), so a
-sequence with no drafts draws exactly what plain decoding would; acceptance
-tests use a separate stream derived from the same (seed, n).
+sequence with no drafts draws exactly what plain decoding would; with
+proposer distributions (draft_probs), acceptance tests use a separate stream
+derived from the same (seed, n).
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.engine.sampler import SamplingMetadata, sampling_logits
+from jaxinfer.engine.sampler import SamplingMetadata, sample, sampling_logits
 
 _ACCEPT_STREAM = 0x5EC0DE  # fold_in constant separating acceptance uniforms from token draws
 
@@ -68,6 +80,8 @@ def verify(logits, draft_tokens, num_drafts, meta: SamplingMetadata, draft_probs
     """
     num_seqs, rows, vocab = logits.shape
     k = rows - 1
+    if draft_probs is None:
+        return _verify_one_hot(logits, draft_tokens, num_drafts, meta)
     greedy = meta.temperature <= 0.0
     drafted = jnp.arange(k)[None, :] < num_drafts[:, None]  # [S, K]
 
@@ -107,3 +121,34 @@ def verify(logits, draft_tokens, num_drafts, meta: SamplingMetadata, draft_probs
     tokens = jnp.concatenate([draft_tokens, jnp.zeros((num_seqs, 1), jnp.int32)], axis=1)
     tokens = jnp.where(jnp.arange(rows)[None, :] == row[:, None], extra[:, None], tokens)
     return tokens, num_accepted + 1
+
+
+def _verify_one_hot(logits, draft_tokens, num_drafts, meta: SamplingMetadata):
+    """`verify` for deterministic drafts, by coupling (module docstring): row j's
+    token is what the plain sampler draws for output index steps + j."""
+    num_seqs, rows, vocab = logits.shape
+    row_meta = jax.tree.map(lambda a: jnp.repeat(a, rows, axis=0), meta)
+    row_meta.steps = row_meta.steps + jnp.tile(jnp.arange(rows, dtype=row_meta.steps.dtype), num_seqs)
+    own = sample(logits.reshape(num_seqs * rows, vocab), row_meta).token_ids.reshape(num_seqs, rows)
+    return _accept_leading_matches(own, draft_tokens, num_drafts)
+
+
+def _accept_leading_matches(own, draft_tokens, num_drafts):
+    """Drafts accepted while they equal the target's own tokens `own` [S, K+1];
+    the extra token is `own` at the first mismatch (or at row K)."""
+    num_seqs, rows = own.shape
+    k = rows - 1
+    drafted = jnp.arange(k)[None, :] < num_drafts[:, None]
+    accept = (draft_tokens == own[:, :k]) & drafted
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
+    extra = jnp.take_along_axis(own, num_accepted[:, None], axis=1)
+    tokens = jnp.concatenate([draft_tokens, jnp.zeros((num_seqs, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(jnp.arange(rows)[None, :] == num_accepted[:, None], extra, tokens)
+    return tokens, num_accepted + 1
+
+
+def verify_greedy(logits, draft_tokens, num_drafts):
+    """`verify` when every row is greedy, from the argmax alone: the same
+    tokens and counts, without the [S, K+1, V] target distributions (their
+    softmax and prefix sums cost a CPU step several milliseconds)."""
+    return _accept_leading_matches(jnp.argmax(logits, axis=-1).astype(jnp.int32), draft_tokens, num_drafts)

@@ -1,0 +1,386 @@
+"""Speculative decoding in the engine: greedy output is token-for-token the
+non-speculative output with each proposer (under preemption, prefix hits and
+stop ids), a draft equal to the target has every draft accepted, a batch
+mixing speculating and non-speculating requests completes correctly, and
+nothing compiles after warm-up. (Acceptance itself, including the sampled
+rule's distribution, is tested in test_spec_acceptance.py.)"""
+
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.engine import EngineConfig
+from tests.tiny_models import make_hf_model, save_hf_model
+
+# 23 usable blocks of 4 tokens for up to 8 sequences: preemption is frequent.
+# Every LLM here shares these shapes, so programs compile once per process.
+ENGINE = dict(max_model_len=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=24)
+K = 3
+PROPOSERS = {
+    "ngram": dict(method="ngram", num_speculative_tokens=K, max_n=3),
+    "draft_is_target": dict(method="draft_model", num_speculative_tokens=K),
+    "other_draft": dict(method="draft_model", num_speculative_tokens=K),  # model set in the fixture
+    "eagle": dict(method="eagle", num_speculative_tokens=K),  # a random head for the tiny target, set in spec_llm
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(save_hf_model(make_hf_model("llama", seed=21), tmp_path_factory.mktemp("spec_target")))
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """The target with noise on its weights: it agrees with the target often, not always."""
+    model = make_hf_model("llama", seed=21)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.03 * torch.randn(param.shape, generator=generator))
+    return str(save_hf_model(model, tmp_path_factory.mktemp("spec_draft")))
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tiny_dir, tmp_path_factory):
+    """An untrained (random) EAGLE head for the tiny target: its drafts are
+    rarely right, which exercises rejection; exactness must hold regardless."""
+    import jax
+
+    from jaxinfer import load
+    from jaxinfer.spec.eagle_head import init_head, save_head
+
+    model = load(tiny_dir, progress=False)
+    path = tmp_path_factory.mktemp("eagle") / "head.safetensors"
+    save_head(path, init_head(model.config, jax.random.key(0)), model.config, 6, {})
+    return str(path)
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dir):
+    return LLM(tiny_dir, progress=False, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def workload(plain):
+    """Random prompts, repetitive ones (n-gram hits), a shared 12-token prefix
+    (prefix-cache hits), and stop ids chosen from plain outputs so that some
+    requests stop mid-way: (prompts, params, plain outputs)."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 128, int(n)).tolist() for n in rng.integers(1, 40, 10)]
+    prompts += [[5, 6, 7, 8] * 5, [9, 9, 3] * 7, list(range(30, 42)) * 2]
+    prefix = rng.integers(0, 128, 12).tolist()
+    prompts += [prefix + [1], prefix + [2, 3], prefix + [4, 5, 6]]
+    max_tokens = [int(m) for m in rng.integers(1, 24, len(prompts))]
+    params = [greedy(m) for m in max_tokens]
+    first = plain.generate(prompts, params, use_tqdm=False)
+    for i in (0, 4, 11):  # stop at a token the plain run emits after a few steps
+        tokens = first[i].outputs[0].token_ids
+        if len(tokens) > 3:
+            params[i] = greedy(max_tokens[i], stop_token_ids=[tokens[3]])
+    reference = plain.generate(prompts, params, use_tqdm=False)
+    assert any(o.outputs[0].finish_reason == "stop" for o in reference)
+    return prompts, params, reference
+
+
+_llms = {}
+
+
+def spec_llm(name, tiny_dir, draft_dir, eagle_head=None):
+    if name not in _llms:
+        spec = dict(PROPOSERS[name])
+        if name == "other_draft":
+            spec["model"] = draft_dir
+        if name == "eagle":
+            spec["model"] = eagle_head
+        _llms[name] = LLM(tiny_dir, progress=False, speculative=spec, **ENGINE)
+    return _llms[name]
+
+
+def expected_programs(llm) -> int:
+    proposer = llm.engine.proposer
+    runner = getattr(proposer, "runner", None)
+    eagle_buckets = getattr(proposer, "buckets", [])  # one drafting program per batch bucket
+    return len(llm.engine.runner.programs()) + (len(runner.programs()) if runner else 0) + len(eagle_buckets)
+
+
+def record_proposals(llm) -> list:
+    """(sequence tokens, drafts) for every sequence the proposer offered drafts."""
+    proposer, proposals = llm.engine.proposer, []
+    propose = proposer.propose
+
+    def recording(seqs, caps):
+        drafts = propose(seqs, caps)
+        proposals.extend((seq.token_ids(), list(d)) for seq, d in zip(seqs, drafts) if d)
+        return drafts
+
+    proposer.propose = recording
+    return proposals
+
+
+def record_eagle_drafts(llm) -> list:
+    """(sequences' tokens, the drafting call's inputs, its drafts) per EAGLE proposal."""
+    proposer, calls = llm.engine.proposer, []
+    propose, draft = proposer.propose, proposer._draft
+
+    def recording_propose(seqs, caps):
+        calls.append({"tokens": [seq.token_ids() for seq in seqs]})
+        return propose(seqs, caps)
+
+    def recording_draft(tokens, features, first_position, lengths):
+        out = draft(tokens, features, first_position, lengths)
+        calls[-1].update(window=tokens.copy(), features=features.copy(), first=first_position.copy(),
+                         lengths=lengths.copy(), drafts=out.copy())
+        return out
+
+    proposer.propose, proposer._draft = recording_propose, recording_draft
+    return calls
+
+
+def check_eagle_drafts(llm, calls) -> None:
+    """The features an EAGLE proposal used are the target's own (a cache-free
+    forward over the sequence), and its drafts are the head's greedy chain
+    recomputed over the whole window for every draft (no K/V buffer)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.models.attention import full_sequence_attention
+    from jaxinfer.models.llama import forward
+    from jaxinfer.spec.eagle_head import feature_logits, head_features, window_attention
+
+    proposer = llm.engine.proposer
+    model, config = llm.model, llm.model.config
+    checked = 0
+    for call in [c for c in calls if "drafts" in c][::3]:
+        for row, (length, first) in enumerate(zip(call["lengths"], call["first"])):
+            tokens = call["window"][row, :length]
+            if length == 1 and not tokens.any():
+                continue  # a padding row of the batch bucket
+            seq_tokens = next(t for t in call["tokens"] if t[first: first + length] == tokens.tolist()
+                              and len(t) == first + length)
+            ids = jnp.asarray(seq_tokens, jnp.int32)[None]
+            positions = jnp.arange(len(seq_tokens), dtype=jnp.int32)[None]
+            feats, _ = forward(model.params, config, ids, positions, full_sequence_attention(positions),
+                               final_norm=False)
+            np.testing.assert_allclose(call["features"][row, :length], np.asarray(feats[0, first - 1: first - 1 + length]),
+                                       rtol=1e-4, atol=1e-4)
+            entries_tokens, entries_feats = list(tokens), list(call["features"][row, :length])
+            for j in range(K):
+                t = jnp.asarray(entries_tokens, jnp.int32)[None]
+                f = jnp.asarray(np.stack(entries_feats))[None]
+                pos = first + jnp.arange(len(entries_tokens), dtype=jnp.int32)[None]
+                out, _ = head_features(proposer.head, model.params, config, t, f, pos,
+                                       window_attention(jnp.ones(t.shape, bool)))
+                token = int(jnp.argmax(feature_logits(model.params, config, out[0, -1])))
+                assert token == call["drafts"][row, j]
+                entries_tokens.append(token)
+                entries_feats.append(np.asarray(out[0, -1]))
+            checked += 1
+    assert checked >= 3
+
+
+def check_blocks_after_each_step(llm) -> None:
+    """After every step no running sequence holds blocks past its tokens (the
+    rejected drafts' blocks were trimmed), in the target's and the draft's cache."""
+    engine = llm.engine
+    step = engine.step
+    managers = [engine.block_manager] + [getattr(engine.proposer, "block_manager", None)]
+
+    def checked_step():
+        outputs = step()
+        for bm in filter(None, managers):
+            bm.check_invariants()
+            for seq in engine.scheduler.running:
+                assert len(bm.block_table(seq.seq_id)) <= -(-seq.num_tokens // bm.block_size)
+        return outputs
+
+    engine.step = checked_step
+
+
+@pytest.mark.parametrize("name", list(PROPOSERS))
+def test_greedy_equals_plain_decoding(name, tiny_dir, draft_dir, eagle_head, workload):
+    llm = spec_llm(name, tiny_dir, draft_dir, eagle_head)
+    assert llm.stats()["num_compilations"] == expected_programs(llm)  # all at warm-up, spec programs included
+    prompts, params, reference = workload
+    proposals = record_proposals(llm)
+    eagle_calls = record_eagle_drafts(llm) if name == "eagle" else None
+    check_blocks_after_each_step(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for out, ref in zip(outputs, reference):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+    stats = llm.stats()
+    assert stats["num_compilations"] == expected_programs(llm)  # none after warm-up
+    assert stats["spec_proposed_tokens"] > 0 and stats["spec_verifications"] > 0
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["kv_blocks_used"] == 0
+    llm.engine.block_manager.check_invariants()
+    if name == "ngram":
+        assert stats["spec_accepted_tokens"] > 0
+    elif name == "eagle":
+        check_eagle_drafts(llm, eagle_calls)
+    else:
+        draft_blocks = llm.engine.proposer.block_manager
+        assert draft_blocks.num_used_blocks == 0  # freed on finish and on preemption
+        draft_blocks.check_invariants()
+    if name == "draft_is_target":
+        assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"]
+    if name == "other_draft":
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"]
+        # After rejections and rollbacks the draft cache still holds exactly the
+        # sequence's tokens: its drafts are the draft model's own greedy
+        # continuation, computed here without any cache.
+        draft_model = llm.engine.proposer.model
+        for tokens, drafts in proposals[::4]:
+            continuation = list(tokens)
+            for _ in drafts:
+                continuation.append(int(draft_model.logits(continuation)[-1].argmax()))
+            assert continuation[len(tokens):] == drafts
+    # Accepted drafts make the verification steps fewer than the tokens they emit.
+    emitted_per_verification = 1 + stats["spec_accepted_tokens"] / stats["spec_verifications"]
+    assert 1 <= emitted_per_verification <= 1 + K
+
+
+@pytest.mark.parametrize("name", ["ngram", "other_draft", "eagle"])
+def test_mixed_batch(name, plain, tiny_dir, draft_dir, eagle_head):
+    """Greedy, seeded sampled (rejection sampling), penalised and logprobs
+    requests in one batch; only the first two kinds speculate."""
+    llm = spec_llm(name, tiny_dir, draft_dir, eagle_head)
+    before = llm.stats()
+    loop = [5, 6, 7, 8] * 4
+    sampled = SamplingParams(temperature=0.8, top_k=40, max_tokens=20, seed=7, ignore_eos=True)
+    requests = [
+        (loop, greedy(20)),
+        (loop, sampled),
+        (loop + [1], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=15, seed=8, n=2, ignore_eos=True)),
+        (loop, SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True)),
+        (loop, SamplingParams(temperature=0.7, max_tokens=10, frequency_penalty=0.5, seed=3, ignore_eos=True)),
+        (loop, SamplingParams(temperature=0.0, max_tokens=9, logprobs=2, ignore_eos=True)),
+        (list(range(40, 60)), greedy(17, stop_token_ids=[0])),
+    ]
+    prompts, params = zip(*requests)
+    outputs = llm.generate(list(prompts), list(params), use_tqdm=False)
+    for out, p in zip(outputs, params):
+        assert len(out.outputs) == p.n
+        for completion in out.outputs:
+            tokens = completion.token_ids
+            if completion.finish_reason == "length":
+                assert len(tokens) == p.max_tokens
+            else:
+                assert completion.finish_reason == "stop" and len(tokens) <= p.max_tokens
+                assert tokens[-1] in p.stop_token_ids and not set(tokens[:-1]) & set(p.stop_token_ids)
+    stats = llm.stats()
+    assert stats["spec_proposed_tokens"] > before["spec_proposed_tokens"]
+    assert stats["num_compilations"] == expected_programs(llm)
+    assert stats["kv_blocks_used"] == 0
+    # Every request's tokens equal plain decoding's: greedy and seeded sampled
+    # ones too, because verification draws the target's own token with the
+    # plain sampler's key (spec/acceptance.py) whatever was drafted.
+    everything = plain.generate(list(prompts), list(params), use_tqdm=False)
+    for out, ref in zip(outputs, everything):
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
+    reference = everything[3:6]
+    logprobs, ref_logprobs = outputs[5].outputs[0].logprobs, reference[2].outputs[0].logprobs
+    assert [sorted(e) for e in logprobs] == [sorted(e) for e in ref_logprobs]
+    for entry, ref_entry in zip(logprobs, ref_logprobs):
+        for token, lp in entry.items():
+            assert lp.logprob == pytest.approx(ref_entry[token].logprob, abs=1e-4)
+    # A seeded speculating request draws the same tokens alone as in the batch.
+    alone = llm.generate([loop], sampled, use_tqdm=False)[0]
+    assert alone.outputs[0].token_ids == outputs[1].outputs[0].token_ids
+
+
+def test_throughput_benchmark_reports_acceptance(tiny_dir, draft_dir):
+    from jaxinfer.benchmark import run_throughput, synthetic_requests
+
+    llm = spec_llm("ngram", tiny_dir, draft_dir)
+    requests = synthetic_requests(128, 6, 12, 16, range_ratio=0.5, seed=1)
+    result = run_throughput(llm, [([3, 4, 5] * 4 + prompt, params) for prompt, params in requests])
+    spec = result["speculative"]
+    assert spec["method"] == "ngram" and spec["proposed_tokens"] > 0
+    assert 0 <= spec["acceptance_rate"] <= 1 and 1 <= spec["mean_accepted_length"] <= 1 + K
+    assert result["compilations_during_run"] == 0
+
+
+@pytest.mark.parametrize(
+    "speculative, match",
+    [
+        ("ngram", "must be a dict"),
+        (dict(method="eagle", num_speculative_tokens=2, max_n=3), "unknown key"),
+        (dict(method="medusa", num_speculative_tokens=2), "method"),
+        (dict(method="ngram"), "num_speculative_tokens'] is required"),
+        (dict(method="ngram", num_speculative_tokens=0), "positive int"),
+        (dict(method="ngram", num_speculative_tokens=2, model="x"), "unknown key"),
+        (dict(method="ngram", num_speculative_tokens=2, max_n=2, min_n=3), "min_n"),
+        (dict(method="draft_model", num_speculative_tokens=2, max_n=3), "unknown key"),
+    ],
+)
+def test_bad_speculative_config(speculative, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(max_model_len=64, speculative=speculative)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_verification_attention_equals_paged_attention(sliding_window):
+    """The per-sequence multi-query attention of verification steps against
+    the general per-token paged attention, on the same flattened layout:
+    3 sequences (one padding) of R = 3 rows, int8 and float pools."""
+    import jax.numpy as jnp
+
+    from jaxinfer.models.kv_cache import quantize_kv
+    from jaxinfer.models.paged_attention import PagedAttentionMetadata, paged_attention_reference
+    from jaxinfer.spec.attention import multi_query_attention_reference
+
+    rng = np.random.default_rng(3)
+    layers, blocks, bs, kvh, heads, dim, rows = 2, 12, 4, 2, 4, 8, 3
+    k_pool = rng.standard_normal((layers, blocks, bs, kvh, dim)).astype(np.float32)
+    v_pool = rng.standard_normal((layers, blocks, bs, kvh, dim)).astype(np.float32)
+    tables = np.array([[3, 5, 7, 0], [2, 9, 0, 0], [0, 0, 0, 0]], np.int32)
+    context_lens = np.array([14, 6, 0], np.int32)
+    positions = np.concatenate([c - rows + np.arange(rows) if c else np.zeros(rows, int) for c in context_lens])
+    q = rng.standard_normal((3 * rows, heads, dim)).astype(np.float32)
+    meta = PagedAttentionMetadata(np.zeros(3 * rows, np.int32), positions.astype(np.int32),
+                                  np.repeat(np.arange(3, dtype=np.int32), rows), tables, context_lens,
+                                  np.array([0, rows, 2 * rows, 2 * rows], np.int32))
+    k_q, k_s = quantize_kv(jnp.asarray(k_pool), jnp.int8)
+    v_q, v_s = quantize_kv(jnp.asarray(v_pool), jnp.int8)
+    for pools, scales in [((k_pool, v_pool), (None, None)), ((k_q, v_q), (k_s, v_s))]:
+        expected = paged_attention_reference(q, *pools, meta, sliding_window, layer_index=1, k_scales=scales[0],
+                                             v_scales=scales[1])
+        actual = multi_query_attention_reference(q.reshape(3, rows, heads, dim), *pools, 1, tables, context_lens,
+                                                 k_scales=scales[0], v_scales=scales[1],
+                                                 sliding_window=sliding_window, tile_blocks=2)
+        np.testing.assert_allclose(np.asarray(actual).reshape(3 * rows, heads, dim)[: 2 * rows],
+                                   np.asarray(expected)[: 2 * rows], rtol=1e-5, atol=1e-5)
+        assert not np.asarray(actual)[2].any()  # padding sequence: zeros
+
+
+def test_verification_attention_backends_agree():
+    """The model-facing function: K/V written to their slots, then the Pallas
+    multi-query decode kernel (interpret mode) agrees with the jnp path."""
+    import jax.numpy as jnp
+
+    from jaxinfer.models.paged_attention import PagedAttentionMetadata
+    from jaxinfer.spec.attention import verification_attention
+
+    rng = np.random.default_rng(4)
+    layers, blocks, bs, kvh, heads, dim, rows = 2, 12, 4, 2, 4, 32, 3
+    cache = tuple(jnp.asarray(rng.standard_normal((layers, blocks, bs, kvh, dim)), jnp.float32) for _ in range(2))
+    tables = np.array([[3, 5, 7, 0], [2, 9, 0, 0]], np.int32)
+    context_lens = np.array([14, 6], np.int32)
+    positions = np.concatenate([c - rows + np.arange(rows) for c in context_lens]).astype(np.int32)
+    seq = np.repeat(np.arange(2, dtype=np.int32), rows)
+    slots = (tables[seq, positions // bs] * bs + positions % bs).astype(np.int32)
+    meta = PagedAttentionMetadata(slots, positions, seq, tables, context_lens, np.array([0, 3, 6], np.int32))
+    q = jnp.asarray(rng.standard_normal((1, 2 * rows, heads, dim)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 2 * rows, kvh, dim)), jnp.float32)
+    outputs = {}
+    for backend in ("xla", "pallas_interpret"):
+        out, new_cache = verification_attention(meta, rows, None, backend)(q, k, 0.5 * k, cache, 1)
+        outputs[backend] = np.asarray(out)
+    np.testing.assert_allclose(outputs["pallas_interpret"], outputs["xla"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(new_cache[0])[1, tables[seq, positions // bs], positions % bs],
+                                  np.asarray(k)[0])
