@@ -131,8 +131,9 @@ def main(argv=None) -> int:
         p.add_argument("--output-len", type=int, default=64)
         p.add_argument("--max-num-seqs", type=int, default=None)
         p.add_argument("--max-num-batched-tokens", type=int, default=None)
-        p.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
-                       help="speculative decoding (draft_model: the target itself as its draft)")
+        p.add_argument("--speculative-method", choices=["ngram", "draft_model", "eagle"], default=None,
+                       help="speculative decoding (draft_model: the target itself as its draft; "
+                            "eagle: the draft head shipped for the default model)")
         p.add_argument("--num-speculative-tokens", type=int, default=4)
         p.add_argument("--json", default=None, metavar="PATH")
     throughput.add_argument("--num-prompts", type=int, default=64)

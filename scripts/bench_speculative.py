@@ -7,7 +7,8 @@ shape), "summarize" (chat: summarize the given paragraphs, so the answer
 copies from the prompt), "open" (chat: open-ended questions). Every request
 is greedy with max_tokens = --output-len (EOS ends it), so every engine emits
 the same tokens and the speedup is plain wall time over speculative wall
-time for the same batch. Engines: "plain", "ngram", "draft_model" (the
+time for the same batch. Engines: "plain", "ngram", "eagle" (the trained
+draft head in checkpoints/, or --eagle-head), "draft_model" (the
 draft is the target itself unless --draft-model says otherwise: with a
 greedy draft equal to the target every draft is accepted, so it measures the
 machinery's overhead at the best possible acceptance) and "draft_model:Q"
@@ -18,7 +19,7 @@ interleaved so that they see the same machine noise, and the fastest run
 of each is kept. Prints a table and writes JSON.
 
 Run: python scripts/bench_speculative.py [--batch-sizes 1,8,32] [--num-speculative-tokens 4]
-     [--output-len 64] [--methods plain,ngram,draft_model,draft_model:int4] [--json bench_speculative.json]
+     [--output-len 64] [--methods plain,ngram,eagle,draft_model,draft_model:int4] [--json bench_speculative.json]
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--kinds", default="code,summarize,open")
-    parser.add_argument("--methods", default="plain,ngram,draft_model,draft_model:int4")
+    parser.add_argument("--methods", default="plain,ngram,eagle,draft_model,draft_model:int4")
+    parser.add_argument("--eagle-head", default=None, help="EAGLE head file (default: the one in checkpoints/)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
@@ -152,6 +154,8 @@ def main():
             return None
         if method == "ngram":
             return {"method": "ngram", "num_speculative_tokens": k}
+        if method == "eagle":  # the head shipped for the default model, or --eagle-head
+            return {"method": "eagle", "num_speculative_tokens": k, "model": args.eagle_head}
         name, _, quantization = method.partition(":")
         if name != "draft_model":
             raise SystemExit(f"unknown method {method!r}")
