@@ -121,16 +121,24 @@ def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int
     per_block = kv_block_bytes(model, config.block_size, config.kv_cache_dtype) + extra_block_bytes
     if model.mesh is not None:  # the pool is split on KV heads: each device holds 1 / N of every block
         per_block = -(-per_block // model.mesh.size)
-    device = jax.devices()[0] if model.mesh is None else model.mesh.devices.flat[0]
-    stats = device.memory_stats() if device.platform == "gpu" else None
-    if stats and "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    devices = [jax.devices()[0]] if model.mesh is None else [
+        d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
+    stats = [d.memory_stats() if d.platform == "gpu" else None for d in devices]
+    if all(s and "bytes_limit" in s for s in stats):
+        # The fullest device of the mesh decides: every device holds a slice of every block.
+        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         budget = int(free * config.kv_cache_memory_fraction)
     else:
         # CPU: no device memory to measure; enough for every sequence at full length, capped.
         full = config.max_num_seqs * -(-config.max_model_len // config.block_size) * per_block
         budget = min(full, CPU_KV_CACHE_BYTES)
-    return max(2, budget // per_block + 1)
+    num_blocks = max(2, budget // per_block + 1)
+    if jax.process_count() > 1:
+        # Lockstep hosts must build the same pool (same shapes, same programs): the smallest wins.
+        from jax.experimental import multihost_utils
+
+        num_blocks = int(np.min(multihost_utils.process_allgather(np.int64(num_blocks))))
+    return num_blocks
 
 
 class LLMEngine:
