@@ -321,6 +321,34 @@ def dp_group():
     log(f"DP2 x TP2: {len(prompts)} mixed requests equal single-device; prompt tokens per replica {served}")
 
 
+def multihost_group():
+    """One of two processes of a lockstep run (JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID set by the caller, 2 CPU devices each):
+    TP 4 over both processes' devices. Prints this process's outputs as JSON
+    for the caller to compare across processes and with one device."""
+    import json
+
+    from jaxinfer.parallel.distributed import initialize
+
+    # Cross-process collectives on CPU go through gloo (GPUs use NCCL by themselves).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    assert initialize(), "no coordinator in the environment"
+    assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
+    prompts, params = multihost_requests()
+    llm = LLM(sys.argv[2], progress=False, tensor_parallel_size=4, **ENGINE)
+    assert {d.process_index for d in llm.model.mesh.devices.flat} == {0, 1}
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    log("RESULT " + json.dumps([o.outputs[0].token_ids for o in outputs]))
+
+
+def multihost_requests():
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 31)), [7, 8, 9]]
+    params = [greedy(6), greedy(4),
+              SamplingParams(temperature=0.9, max_tokens=5, ignore_eos=True),  # unseeded: host 0's seed
+              ]
+    return prompts, params
+
+
 GROUPS = {
     "tp-xla": lambda: tp_group("xla", None),
     # int8 weights and the Pallas kernels (per shard, shard_map) together: the
@@ -328,6 +356,7 @@ GROUPS = {
     "tp-pallas-int8": lambda: tp_group("pallas_interpret", "int8"),
     "specs": specs_group,
     "dp": dp_group,
+    "multihost": multihost_group,
 }
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 The multi-device checks run in subprocesses (tests/parallel_checks.py) with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (4 for DP 2 x TP 2):
 the flag must be set before JAX starts, and the rest of the suite keeps
-its single device. The partition rules, the KV-head rule, the load
+its single device. A two-process lockstep run (jax.distributed on
+localhost, gloo collectives) stands in for multi-host. The partition rules, the KV-head rule, the load
 balancer and the CLI / multi-host argument plumbing are checked here,
 in-process.
 """
@@ -59,6 +60,48 @@ def test_tensor_parallel_equals_single_device(group):
 def test_data_parallel_2x2_equals_single_device():
     out = _run_checks("dp", devices=4)
     assert "dp: ok" in out
+
+
+def test_multihost_lockstep_two_processes(tmp_path):
+    """Two processes on this machine, joined by jax.distributed (gloo for CPU
+    collectives), run TP 4 over their 2 + 2 devices in lockstep: both print
+    the same outputs (the unseeded sampled request included: its seed comes
+    from host 0), and the greedy ones equal the single-device forward."""
+    import json
+    import socket
+
+    from jaxinfer import load
+    from tests.parallel_checks import multihost_requests, reference_greedy
+    from tests.tiny_models import make_hf_model, save_hf_model
+
+    directory = str(save_hf_model(make_hf_model("llama_tp", seed=7), tmp_path))
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for process_id in range(2):
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+               "JAXINFER_DISABLE_COMPILATION_CACHE": "1", "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
+               "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process_id)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.parallel_checks", "multihost", directory],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        assert proc.returncode == 0, f"{out[-3000:]}\n{err[-6000:]}"
+        results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
+    assert results[0] == results[1]
+    prompts, params = multihost_requests()
+    greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
+    expected, _ = reference_greedy(load(directory, progress=False), [prompts[i] for i in greedy_rows],
+                                   [params[i].max_tokens for i in greedy_rows])
+    assert [results[0][i] for i in greedy_rows] == expected
+    assert len(results[0][2]) == params[2].max_tokens
 
 
 # -- partition rules ------------------------------------------------------------------------
