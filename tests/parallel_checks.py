@@ -268,6 +268,25 @@ def specs_group():
                 assert_logits_close(restored.logits(probe), single.logits(probe), rtol=1e-5)
                 log(f"orbax {quantize} TP{tp}: {n} arrays restored as declared, logits equal single-device")
 
+    # GGUF blocks kept quantized (32-row groups): at TP 2 the row-parallel
+    # weights' 2 groups split with their rows, at TP 4 a group straddles shards.
+    import gguf
+
+    from tests.gguf_writer import write_gguf
+
+    small = make_hf_model("llama", seed=7)  # 4 heads, 2 KV heads, head_dim 16
+    with tempfile.TemporaryDirectory() as tmp:
+        for qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1):
+            path = str(write_gguf(small, f"{tmp}/m-{qtype.name}.gguf", qtype))
+            single = load(path, progress=False, quantization="gguf")
+            for tp in (2, 4):
+                mesh = replica_meshes(tp)[0]
+                sharded = load(path, progress=False, quantization="gguf", mesh=mesh)
+                assert isinstance(sharded.params["layers"]["wo"], QuantizedTensor)
+                n = check_param_shardings(sharded.params, mesh)
+                assert_logits_close(sharded.logits(probe), single.logits(probe), rtol=1e-5)
+                log(f"GGUF {qtype.name} kept quantized, TP{tp}: {n} arrays as declared, logits equal single-device")
+
     # Biases repeated with the KV heads, tied (vocab-split) embeddings: against HF.
     qwen = make_hf_model("qwen2_tp", seed=7)
     qwen_dir = save_hf_model(qwen, tempfile.mkdtemp())
