@@ -25,6 +25,7 @@ repeated (parallel/sharding.py, the KV-head rule).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Protocol
 
@@ -144,15 +145,24 @@ class _Placement:
 
     def quantize(self, path: str, w: jax.Array, quantization: str, name: str) -> QuantizedTensor:
         # Sharded RTN: scales of a row-parallel weight reduce across shards (GSPMD).
-        fn = lambda x: quantize_weight(x, quantization, name=name)  # noqa: E731
+        from jaxinfer.parallel.placement import Hashable
+
+        fn = functools.partial(quantize_weight, scheme=quantization, name=name)
         out = self.shardings(path, jax.eval_shape(fn, w), layer=True)
-        return jax.jit(fn, out_shardings=out)(w)
+        return _sharded_quantizer(quantization, Hashable(out))(w)
 
     def stack(self, path: str, per_layer: list):
         from jaxinfer.parallel.placement import stack
 
         stacked = jax.eval_shape(lambda *xs: jax.tree_util.tree_map(lambda *l: jnp.stack(l), *xs), *per_layer)
         return stack(per_layer, self.shardings(path, stacked, layer=False))
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_quantizer(quantization: str, out_shardings):
+    """One jitted RTN per scheme and output sharding, shared by all layers of a weight
+    (a fresh jit per layer would compile once per layer)."""
+    return jax.jit(functools.partial(quantize_weight, scheme=quantization), out_shardings=out_shardings.value)
 
 
 def _path_specs(path: str, tree, tp: int):

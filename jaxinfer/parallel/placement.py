@@ -40,7 +40,7 @@ def _stacker(out_sharding_tree):
                    out_shardings=out_sharding_tree.value)
 
 
-class _Hashable:
+class Hashable:
     """A pytree of shardings as an lru_cache key (its leaves and structure hash)."""
 
     def __init__(self, value):
@@ -57,7 +57,7 @@ class _Hashable:
 def stack(per_layer: list, stacked_shardings):
     """Per-layer (sharded) arrays or QuantizedTensors -> one stacked along a new
     leading layer axis, placed with `stacked_shardings` (same tree)."""
-    return _stacker(_Hashable(stacked_shardings))(*per_layer)
+    return _stacker(Hashable(stacked_shardings))(*per_layer)
 
 
 def drop_layer_axis(sharding: NamedSharding) -> NamedSharding:
