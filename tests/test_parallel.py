@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.parallel.data_parallel import DataParallelEngine, outstanding_tokens
+from jaxinfer.parallel.data_parallel import DataParallelEngine, outstanding_steps, outstanding_tokens
 from jaxinfer.parallel.distributed import distributed_args
 from jaxinfer.parallel.sharding import (
     expand_kv_heads,
@@ -183,9 +183,10 @@ class _FakeSeq:
 
 
 class _FakeReplica:
-    """The slice of LLMEngine the balancer reads: `requests` with their sequences."""
+    """The slice of LLMEngine the balancer reads: `requests` with their sequences, the step budget."""
 
-    config = model = tokenizer = None
+    model = tokenizer = None
+    config = SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4)
 
     def __init__(self):
         self.requests = {}
@@ -195,22 +196,25 @@ class _FakeReplica:
         self.requests[request_id] = SimpleNamespace(sequences=seqs)
 
 
-def test_requests_go_to_the_replica_with_fewest_outstanding_tokens():
+def test_requests_go_to_the_replica_with_least_outstanding_steps():
     replicas = [_FakeReplica(), _FakeReplica()]
     engine = DataParallelEngine(replicas)
     params = lambda m, n=1: SimpleNamespace(max_tokens=m, n=n)  # noqa: E731
-    assert engine.add_request("a", [1] * 100, params(10)) == 0  # both empty: the first
-    assert engine.add_request("b", [1] * 5, params(5)) == 1
-    assert engine.add_request("c", [1] * 5, params(5)) == 1  # 10 outstanding < 110
-    assert engine.add_request("d", [1] * 5, params(5, n=2)) == 1  # 20 < 110: n counts per sequence
-    assert outstanding_tokens(replicas[1]) == 40
-    # Replica 0's prompt is computed and 6 of its 10 tokens generated: 4 left.
+    assert engine.add_request("a", [1] * 128, params(4)) == 0  # both empty: the first
+    assert outstanding_steps(replicas[0]) == 128 / 64 + 4 / 4  # 3 steps
+    # A long output outweighs a long prompt: 12 tokens to generate = 3 steps, 64 prompt tokens = 1.
+    assert engine.add_request("b", [1] * 4, params(10)) == 1  # 0 < 3
+    assert outstanding_steps(replicas[1]) == 4 / 64 + 10 / 4
+    assert engine.add_request("c", [1] * 4, params(4)) == 1  # 2.5625 < 3
+    assert engine.add_request("d", [1] * 4, params(4, n=2)) == 0  # 3 < 3.625; n counts per sequence
+    assert outstanding_tokens(replicas[0]) == (128 + 8, 4 + 8)
+    # Replica 0's first prompt is computed and 3 of its 4 tokens generated.
     seq = replicas[0].requests["a"].sequences[0]
-    seq.output.token_ids = [0] * 6
+    seq.output.token_ids = [0] * 3
     seq.num_computed_tokens = seq.num_tokens
-    assert outstanding_tokens(replicas[0]) == 4
-    assert engine.add_request("e", [1] * 3, params(2)) == 0
-    assert engine.replica_of == {"a": 0, "b": 1, "c": 1, "d": 1, "e": 0}
+    assert outstanding_tokens(replicas[0]) == (8, 1 + 8)
+    assert engine.add_request("e", [1] * 3, params(2)) == 0  # 2.375 < 3.625
+    assert engine.replica_of == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 0}
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", [1], params(1))
 

@@ -4,10 +4,14 @@ Each replica is a whole LLMEngine (scheduler, block manager, paged pool,
 compiled programs) over its own ("model",) mesh of tensor_parallel_size
 devices (mesh.py); the params are loaded once, into replica 0's shards, and
 copied device to device to the others. A new request goes to the replica
-with the fewest outstanding tokens (prompt tokens not yet computed plus
-tokens still to generate, over its unfinished sequences): a cheap proxy for
-the work queued there that, unlike round-robin, accounts for long prompts
-and long outputs. A request stays on its replica (its KV blocks live there).
+with the least outstanding work, counted in engine steps: its prompt tokens
+not yet computed over max_num_batched_tokens (what one step prefills) plus
+its tokens still to generate over max_num_seqs (one per running sequence per
+step). Weighing a generated token max_num_batched_tokens / max_num_seqs
+times a prompt token matters: counting plain tokens sends a short-prompt,
+long-output request where it waits longest. Measured with
+scripts/bench_data_parallel.py (engine steps to drain a heavy-tailed
+workload, BENCHMARKS.md). A request stays on its replica (its KV blocks live there).
 
 Why replicas rather than one mesh with a "data" axis over the batch: the
 engine's batch is a ragged, host-scheduled set of sequences with per-replica
@@ -30,15 +34,21 @@ from jaxinfer.outputs import RequestOutput
 _MAX_STATS = ("host_time_s", "device_time_s")
 
 
-def outstanding_tokens(engine) -> int:
-    """Prompt tokens still to compute plus tokens still to generate, over the engine's unfinished sequences."""
-    total = 0
+def outstanding_tokens(engine) -> tuple[int, int]:
+    """(prompt tokens still to compute, tokens still to generate) over the engine's unfinished sequences."""
+    prompt = generate = 0
     for state in engine.requests.values():
         for seq in state.sequences:
             if not seq.is_finished:
-                total += seq.num_tokens - seq.num_computed_tokens
-                total += seq.params.max_tokens - len(seq.output.token_ids)
-    return total
+                prompt += max(0, len(seq.prompt_token_ids) - seq.num_computed_tokens)
+                generate += seq.params.max_tokens - len(seq.output.token_ids)
+    return prompt, generate
+
+
+def outstanding_steps(engine) -> float:
+    """Engine steps the replica's queued work needs if nothing else arrives (see the module docstring)."""
+    prompt, generate = outstanding_tokens(engine)
+    return prompt / engine.config.max_num_batched_tokens + generate / engine.config.max_num_seqs
 
 
 class DataParallelEngine:
@@ -64,11 +74,15 @@ class DataParallelEngine:
             from jaxinfer.engine.engine import RequestError
 
             raise RequestError(f"request {request_id}: id already in use")
-        loads = [outstanding_tokens(r) for r in self.replicas]
-        index = loads.index(min(loads))  # ties: the lowest index
+        index = self.choose_replica(prompt_token_ids, params)
         self.replicas[index].add_request(request_id, prompt_token_ids, params, prompt=prompt)
         self.replica_of[request_id] = index
         return index
+
+    def choose_replica(self, prompt_token_ids, params) -> int:
+        """The replica with the least outstanding work in steps (ties: the lowest index)."""
+        loads = [outstanding_steps(r) for r in self.replicas]
+        return loads.index(min(loads))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         index = self.replica_of.pop(request_id, None)
