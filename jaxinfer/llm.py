@@ -32,7 +32,7 @@ class LLM:
 
     tensor_parallel_size N: shard the model over N devices (Megatron-style, parallel/sharding.py);
     data_parallel_size M: M engine replicas on disjoint groups of N devices, requests spread over
-    them by outstanding tokens (parallel/data_parallel.py). Both default to None: one device, no
+    them by outstanding work (parallel/data_parallel.py). Both default to None: one device, no
     mesh at all; giving either (even 1) runs the sharded code path on a mesh.
     """
 
