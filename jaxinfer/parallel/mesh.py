@@ -4,17 +4,17 @@ Tensor parallelism (TP) runs one model over a mesh with a single axis,
 "model", of tensor_parallel_size devices: the params and the KV pool are
 sharded over it (sharding.py) and XLA's SPMD partitioner (GSPMD) inserts the
 all-reduces. Data parallelism (DP) is data_parallel_size independent engine
-replicas, each on its own TP mesh over a disjoint group of devices (llm.py
-spreads requests over them): replica r gets devices [r * tp, (r + 1) * tp)
+replicas, each on its own TP mesh over a disjoint group of devices
+(data_parallel.py spreads requests over them): replica r gets devices [r * tp, (r + 1) * tp)
 of jax.devices(). Replicas rather than a "data" mesh axis because each
 replica keeps its own scheduler, block manager and paged pool, so they
 never wait on each other's batch shapes or block tables, and one replica's
 program is exactly the TP program (see README.md, "Multi-device").
 
-Device order: jax.devices() lists devices by process, then by local id, so
-consecutive groups of tp devices stay inside one host as long as tp divides
-the devices per host, so TP all-reduces ride the intra-host links (NVLink)
-whenever a replica fits in one host.
+Device order: jax.devices() lists devices by process, then by local id;
+consecutive groups of tp devices stay inside one host when tp divides the
+devices per host, so a replica's all-reduces ride the intra-host links
+(NVLink) whenever it fits in one host.
 """
 
 from __future__ import annotations
