@@ -41,6 +41,11 @@ def _summary(values_s: list[float]) -> dict:
     return {"mean_ms": float(ms.mean()), "median_ms": float(np.median(ms)), "p99_ms": float(np.percentile(ms, 99))}
 
 
+def _replicas(engine) -> list:
+    """The LLMEngines behind llm.engine (data-parallel replicas, or the engine itself)."""
+    return getattr(engine, "replicas", [engine])
+
+
 class KVMemoryTracker:
     """KV-cache occupancy sampled after every step, against what a contiguous
     cache would hold for the same running batch.
@@ -57,13 +62,13 @@ class KVMemoryTracker:
         self.samples: list[tuple[int, int, int, int]] = []  # (tokens, paged slots, max-len slots, oracle slots)
 
     def sample(self) -> None:
-        engine = self.engine
-        running = engine.scheduler.running
+        engines = _replicas(self.engine)
+        running = [s for e in engines for s in e.scheduler.running]
         if not running:
             return
         tokens = sum(s.num_computed_tokens for s in running)
-        paged = engine.block_manager.num_used_blocks * engine.config.block_size
-        max_len = len(running) * engine.config.max_model_len
+        paged = sum(e.block_manager.num_used_blocks for e in engines) * self.engine.config.block_size
+        max_len = len(running) * self.engine.config.max_model_len
         oracle = sum(len(s.prompt_token_ids) + s.params.max_tokens for s in running)
         self.samples.append((tokens, paged, max_len, oracle))
 
@@ -144,8 +149,9 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, seed=0) -
         engine.add_request(f"latency-{time.perf_counter()}-{i}", prompt, params)
     prefill_steps, decode_steps = [], []
     while engine.has_unfinished():
-        prefilling = any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.waiting) or any(
-            s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running
+        prefilling = any(
+            s.num_computed_tokens < len(s.prompt_token_ids)
+            for e in _replicas(engine) for s in (*e.scheduler.waiting, *e.scheduler.running)
         )
         t = time.perf_counter()
         engine.step()

@@ -13,6 +13,21 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "pallas_interpret"],
                         help="default: pallas on GPU, xla elsewhere")
+    parallel = parser.add_argument_group("multi-device (README.md, Multi-device)")
+    parallel.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                          help="shard the model over N devices")
+    parallel.add_argument("--data-parallel-size", type=int, default=None, metavar="M",
+                          help="M engine replicas, each on its own N devices")
+    parallel.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                          help="multi-host: process 0's address (or JAX_COORDINATOR_ADDRESS)")
+    parallel.add_argument("--num-processes", type=int, default=None, help="multi-host: number of hosts "
+                          "(or JAX_NUM_PROCESSES)")
+    parallel.add_argument("--process-id", type=int, default=None, help="multi-host: this host's index "
+                          "(or JAX_PROCESS_ID)")
+
+
+def _parallel_options(args) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
 
 
 def _generate(args) -> int:
@@ -27,7 +42,8 @@ def _generate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, attention_backend=args.attention_backend)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+              **_parallel_options(args))
     loaded = time.perf_counter()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
@@ -61,7 +77,7 @@ def _bench(args) -> int:
     if args.speculative_method:
         options["speculative"] = {"method": args.speculative_method,
                                   "num_speculative_tokens": args.num_speculative_tokens}
-    llm = LLM(args.model, dtype=args.dtype, **options)
+    llm = LLM(args.model, dtype=args.dtype, **options, **_parallel_options(args))
     if args.kind == "throughput":
         requests = synthetic_requests(llm.model.config.vocab_size, args.num_prompts, args.input_len, args.output_len,
                                       args.range_ratio, args.prefix_len, args.seed)
@@ -169,6 +185,11 @@ def main(argv=None) -> int:
     ppl.set_defaults(func=_ppl)
     args = parser.parse_args(argv)
     try:
+        from jaxinfer.parallel.distributed import initialize
+
+        # Before anything touches JAX's devices (flags, else JAX_COORDINATOR_ADDRESS etc.).
+        initialize(getattr(args, "coordinator_address", None), getattr(args, "num_processes", None),
+                   getattr(args, "process_id", None))
         return args.func(args)
     except (ValueError, RuntimeError) as e:  # bad model path, bad prompt: one line, not a traceback
         print(f"error: {e}", file=sys.stderr)

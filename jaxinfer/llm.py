@@ -29,13 +29,26 @@ class LLM:
     kv_cache_dtype ("auto": the model's dtype; "int8" or "fp8": quantized K/V with a float32 scale
     per token and KV head, about 4x (float32 models) or 2x (bfloat16) the blocks for the same memory),
     speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see spec/config.py).
+
+    tensor_parallel_size N: shard the model over N devices (Megatron-style, parallel/sharding.py);
+    data_parallel_size M: M engine replicas on disjoint groups of N devices, requests spread over
+    them by outstanding work (parallel/data_parallel.py). Both default to None: one device, no
+    mesh at all; giving either (even 1) runs the sharded code path on a mesh.
     """
 
     def __init__(
         self, model=None, *, dtype: str = "float32", quantization: str | None = None, progress: bool = True,
-        **engine_options,
+        tensor_parallel_size: int | None = None, data_parallel_size: int | None = None, **engine_options,
     ):
-        self.model = load(model, dtype=dtype, progress=progress, quantization=quantization)
+        meshes = [None]
+        if tensor_parallel_size is not None or data_parallel_size is not None:
+            from jaxinfer.parallel.distributed import check_data_parallel_hosts
+            from jaxinfer.parallel.mesh import replica_meshes
+
+            data_parallel_size = data_parallel_size or 1
+            check_data_parallel_hosts(data_parallel_size)
+            meshes = replica_meshes(tensor_parallel_size or 1, data_parallel_size)
+        self.model = load(model, dtype=dtype, progress=progress, quantization=quantization, mesh=meshes[0])
         self.tokenizer = self.model.tokenizer
         if engine_options.get("max_model_len") is None:
             engine_options["max_model_len"] = min(self.model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -46,7 +59,13 @@ class LLM:
             unknown = sorted(set(engine_options) - known)
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}") from None
         self.max_model_len = config.max_model_len
-        self.engine = LLMEngine(self.model, config, progress=progress)
+        if len(meshes) == 1:
+            self.engine = LLMEngine(self.model, config, progress=progress)
+        else:
+            from jaxinfer.parallel.data_parallel import DataParallelEngine
+
+            models = [self.model] + [self.model.on_mesh(mesh) for mesh in meshes[1:]]
+            self.engine = DataParallelEngine([LLMEngine(m, config, progress=progress) for m in models])
         self._request_ids = itertools.count()
 
     # -- prompts -----------------------------------------------------------

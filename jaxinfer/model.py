@@ -21,7 +21,13 @@ from jaxinfer.utils import bucket_size, enable_compilation_cache
 
 
 class Model:
-    def __init__(self, config: ModelConfig, params: dict, tokenizer, dtype, source: str = "", load_seconds=0.0):
+    """config: the config the params run with; on a mesh whose size exceeds the
+    KV heads that is parallel/sharding.py's sharded_config (KV heads repeated).
+    mesh: None (one device) or the ("model",) mesh the params are sharded over."""
+
+    def __init__(self, config: ModelConfig, params: dict, tokenizer, dtype, source: str = "", load_seconds=0.0,
+                 mesh=None):
+        self.mesh = mesh
         self.config = config
         self.params = params
         self.tokenizer = tokenizer
@@ -35,6 +41,16 @@ class Model:
             f"Model({self.source!r}, {c.architecture}, layers={c.num_layers}, hidden={c.hidden_size}, "
             f"heads={c.num_heads}/{c.num_kv_heads}, vocab={c.vocab_size}, dtype={self.dtype})"
         )
+
+    def on_mesh(self, mesh) -> "Model":
+        """The same model with its params copied, shard by shard, to another
+        mesh of the same size (a data-parallel replica's device group)."""
+        from jaxinfer.parallel.placement import shard_params
+
+        if self.mesh is None or mesh.size != self.mesh.size:
+            raise ValueError("on_mesh copies a sharded model to a mesh of the same size")
+        return Model(self.config, shard_params(self.params, mesh), self.tokenizer, self.dtype, self.source,
+                     self.load_seconds, mesh)
 
     def logits(self, token_ids) -> np.ndarray:
         """Full-sequence forward without a cache: float32 logits [T, vocab].
@@ -62,7 +78,7 @@ def _full_logits(params, config: ModelConfig, tokens):
     return compute_logits(params, hidden)
 
 
-def load(model=None, dtype="float32", progress: bool = True, quantization: str | None = None) -> Model:
+def load(model=None, dtype="float32", progress: bool = True, quantization: str | None = None, mesh=None) -> Model:
     """Load a model: None (the embedded SmolLM2-135M-Instruct), a HF directory
     (config.json + safetensors), a .gguf file, or a jaxinfer checkpoint directory
     (`jaxinfer convert`). dtype: float32 | bfloat16 (of the unquantized weights).
@@ -72,20 +88,58 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
     with 32-row groups, other types dequantized), or "int8" | "int4" | "fp8"
     (round-to-nearest of the float32 linear weights at load time: int8 / fp8
     per output channel, int4 in groups of 128 rows or fewer, see
-    quant/params.py; the embedding, head and norms stay float)."""
+    quant/params.py; the embedding, head and norms stay float).
+
+    mesh: None (one device), or a ("model",) mesh (parallel/mesh.py): every
+    weight is loaded or restored straight into its shards (parallel/sharding.py)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
     enable_compilation_cache()
     start = time.perf_counter()
     np_dtype = resolve_dtype(dtype)
     config, source, tokenizer, description = open_checkpoint(model)
-    if isinstance(source, OrbaxCheckpoint):  # a jaxinfer checkpoint: restored by orbax onto the device
+    run_config = config
+    if mesh is not None:
+        from jaxinfer.parallel.sharding import sharded_config
+
+        run_config = sharded_config(config, mesh.size)  # checks the sizes divide before anything is read
+    if isinstance(source, OrbaxCheckpoint):  # a jaxinfer checkpoint: restored by orbax onto the device(s)
         if quantization == "gguf":
             raise ValueError(f'quantization="gguf" needs a GGUF checkpoint; {description} is not one')
-        params = source.restore(np_dtype, progress=progress)
+        sharding = None if mesh is None else _orbax_shardings(source, config, mesh)
+        params = source.restore(np_dtype, sharding=sharding, progress=progress)
+        if mesh is not None:
+            from jaxinfer.parallel.placement import expand_kv_params
+
+            params = expand_kv_params(params, config.num_kv_heads, mesh)
         if quantization is not None:
             params = quantize_params(params, quantization)
+            if mesh is not None:
+                from jaxinfer.parallel.placement import shard_params
+
+                params = shard_params(params, mesh)
     else:
-        params = build_params(config, source, np_dtype, progress=progress, quantization=quantization)
+        params = build_params(config, source, np_dtype, progress=progress, quantization=quantization, mesh=mesh)
     jax.block_until_ready(params)
-    return Model(config, params, tokenizer, np_dtype, description, time.perf_counter() - start)
+    return Model(run_config, params, tokenizer, np_dtype, description, time.perf_counter() - start, mesh)
+
+
+def _orbax_shardings(source: OrbaxCheckpoint, config: ModelConfig, mesh):
+    """(stored path, shape, dtype) -> the NamedSharding orbax restores that array
+    into: its declared spec, or replicated for KV weights whose heads are
+    repeated after the restore (the KV-head rule; they are small)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxinfer.parallel.sharding import KV_KEYS, kv_head_replication, stored_spec
+
+    replicate_kv = kv_head_replication(config.num_kv_heads, mesh.size) > 1
+
+    def sharding_for(path, shape, dtype):
+        head, _, last = path.rpartition("/")
+        param = head if last in ("data", "scales", "offsets") and "scheme" in source.structure.get(head, {}) else path
+        if replicate_kv and param in KV_KEYS:
+            return NamedSharding(mesh, PartitionSpec())
+        logical = tuple(source.structure[param]["shape"])
+        return NamedSharding(mesh, stored_spec(path, tuple(shape), logical, mesh.size))
+
+    return sharding_for

@@ -40,6 +40,13 @@ VARIANTS = {
     "mistral_sliding_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, num_key_value_heads=1)),
+    # Tensor parallelism (tests/test_parallel.py): 8 query heads split over up
+    # to 8 devices, 2 KV heads (split at TP 2, replicated at TP 4 and 8),
+    # head_dim 16: the smallest the Pallas kernels take.
+    "llama_tp": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
+    # biases on q/k/v (repeated with the KV heads) and tied embeddings
+    "qwen2_tp": ("Qwen2Config", "Qwen2ForCausalLM",
+                 dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)),
 }
 
 

@@ -119,16 +119,26 @@ def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_block_bytes(model, config.block_size, config.kv_cache_dtype) + extra_block_bytes
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform == "gpu" else None
-    if stats and "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if model.mesh is not None:  # the pool is split on KV heads: each device holds 1 / N of every block
+        per_block = -(-per_block // model.mesh.size)
+    devices = [jax.devices()[0]] if model.mesh is None else [
+        d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
+    stats = [d.memory_stats() if d.platform == "gpu" else None for d in devices]
+    if all(s and "bytes_limit" in s for s in stats):
+        # The fullest device of the mesh decides: every device holds a slice of every block.
+        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         budget = int(free * config.kv_cache_memory_fraction)
     else:
         # CPU: no device memory to measure; enough for every sequence at full length, capped.
         full = config.max_num_seqs * -(-config.max_model_len // config.block_size) * per_block
         budget = min(full, CPU_KV_CACHE_BYTES)
-    return max(2, budget // per_block + 1)
+    num_blocks = max(2, budget // per_block + 1)
+    if jax.process_count() > 1:
+        # Lockstep hosts must build the same pool (same shapes, same programs): the smallest wins.
+        from jax.experimental import multihost_utils
+
+        num_blocks = int(np.min(multihost_utils.process_allgather(np.int64(num_blocks))))
+    return num_blocks
 
 
 class LLMEngine:
@@ -145,7 +155,8 @@ class LLMEngine:
         extra = kv_block_bytes(draft, config.block_size, config.kv_cache_dtype) if draft is not None else 0
         num_blocks = choose_num_blocks(model, config, extra)
         c = model.config
-        cache = kv_cache.allocate_kv_cache(c, num_blocks, config.block_size, model.dtype, config.kv_cache_dtype)
+        cache = kv_cache.allocate_kv_cache(c, num_blocks, config.block_size, model.dtype, config.kv_cache_dtype,
+                                           mesh=model.mesh)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
@@ -154,7 +165,7 @@ class LLMEngine:
             c, model.params, cache, config.block_size, config.max_model_len,
             config.max_num_seqs, config.max_num_batched_tokens, config.attention_backend,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-            with_features=spec is not None and spec.method == "eagle",
+            with_features=spec is not None and spec.method == "eagle", mesh=model.mesh,
         )
         self.runner.warmup(progress)
         # The draft model's pool has as many blocks as the target's.
@@ -167,7 +178,9 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
-        self._seed_rng = np.random.default_rng()
+        from jaxinfer.parallel.distributed import engine_seed
+
+        self._seed_rng = np.random.default_rng(engine_seed())  # the same on every host of a lockstep run
         self.host_time = 0.0
         self.device_time = 0.0
 

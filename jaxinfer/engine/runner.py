@@ -29,6 +29,13 @@ in a verification step and no penalty variant of verification is compiled.
 Only pure-decode steps verify drafts, so the token count is always n(1 + K)
 and one program per n suffices. A draft model's runner is `greedy_only`: its
 sampler is an argmax.
+
+Tensor parallelism: with a mesh (parallel/), the params and the pool arrive
+sharded, the host inputs are placed replicated on the mesh, `mesh` is a
+static argument of every program (the Pallas attention runs per shard with
+shard_map, parallel/attention.py) and the sampled outputs are constrained to
+be replicated, so every device (every host, in a multi-host run) holds the
+tokens. Without a mesh the programs are exactly the single-device ones.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxinfer.config import ModelConfig
@@ -49,6 +57,7 @@ from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.models.layers import rms_norm
 from jaxinfer.models.llama import compute_logits, forward
 from jaxinfer.models.paged_attention import PagedAttentionMetadata, paged_cache_attention
+from jaxinfer.parallel.mesh import MODEL_AXIS
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.spec.acceptance import verify, verify_greedy
 from jaxinfer.spec.attention import verification_attention
@@ -78,20 +87,42 @@ def _body(params, config: ModelConfig, kv_cache, tokens, attn_meta, attention, w
     return hidden, (pre[0] if with_features else None), kv_cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "decode", "with_features"),
+def _replicated(tree, mesh):
+    """Outputs that go to the host: replicated on the mesh (a no-op without one)."""
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def _gathered_logits(logits, mesh):
+    """Vocab-parallel logits, then all-gathered. The first constraint matters:
+    asked only for replicated logits, GSPMD all-gathers the (vocab-split) head
+    weight instead and multiplies it whole on every device, which for a real
+    vocabulary moves the whole head every step rather than [rows, vocab]."""
+    if mesh is None:
+        return logits
+    if logits.shape[-1] % mesh.size == 0:
+        vocab_split = PartitionSpec(*([None] * (logits.ndim - 1)), MODEL_AXIS)
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, vocab_split))
+    return _replicated(logits, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "decode", "with_features", "mesh"),
                    donate_argnames=("kv_cache",))
 def _forward_step(params, kv_cache, tokens, attn_meta, logits_indices, *, config: ModelConfig, backend: str,
-                  decode: bool, with_features: bool = False):
-    attention = paged_cache_attention(attn_meta, config.sliding_window, backend, decode)
+                  decode: bool, with_features: bool = False, mesh=None):
+    attention = paged_cache_attention(attn_meta, config.sliding_window, backend, decode, mesh)
     hidden, features, kv_cache = _body(params, config, kv_cache, tokens, attn_meta, attention, with_features)
-    # Logits only where a token is sampled: one row per sequence.
-    return compute_logits(params, hidden[logits_indices]), features, kv_cache
+    # Logits only where a token is sampled: one row per sequence. On a mesh they
+    # come out split on vocab; the sampler needs whole rows, so gather them here,
+    # once, in a sharding the sampler's programs are compiled for.
+    return _gathered_logits(compute_logits(params, hidden[logits_indices]), mesh), features, kv_cache
 
 
-@functools.partial(jax.jit, static_argnames=("with_penalties",))
-def _sample_step(logits, sampling_meta, penalty_inputs, *, with_penalties: bool):
+@functools.partial(jax.jit, static_argnames=("with_penalties", "mesh"))
+def _sample_step(logits, sampling_meta, penalty_inputs, *, with_penalties: bool, mesh=None):
     prompt_mask, output_counts = penalty_inputs if with_penalties else (None, None)
-    return sample(logits, sampling_meta, prompt_mask, output_counts, num_logprobs=MAX_LOGPROBS)
+    return _replicated(sample(logits, sampling_meta, prompt_mask, output_counts, num_logprobs=MAX_LOGPROBS), mesh)
 
 
 class SpecOutput(NamedTuple):
@@ -105,38 +136,42 @@ class SpecOutput(NamedTuple):
     sampled_rank: np.ndarray | None
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "with_features"), donate_argnames=("kv_cache",))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "with_features", "mesh"),
+                   donate_argnames=("kv_cache",))
 def _spec_forward_step(params, kv_cache, tokens, attn_meta, *, config: ModelConfig, backend: str,
-                       with_features: bool = False):
+                       with_features: bool = False, mesh=None):
     """-> logits at every row [S, 1 + K, V], the first rows' [S, V], features, and the cache."""
     num_seqs = attn_meta.context_lens.shape[0]
     rows = tokens.shape[0] // num_seqs
-    attention = verification_attention(attn_meta, rows, config.sliding_window, backend)
+    attention = verification_attention(attn_meta, rows, config.sliding_window, backend, mesh)
     hidden, features, kv_cache = _body(params, config, kv_cache, tokens, attn_meta, attention, with_features)
-    logits = compute_logits(params, hidden).reshape(num_seqs, rows, -1)
+    logits = _gathered_logits(compute_logits(params, hidden).reshape(num_seqs, rows, -1), mesh)
     return logits, logits[:, 0], features, kv_cache
 
 
-@jax.jit
-def _verify_step(logits, draft_tokens, num_drafts, sampling_meta):
-    return jax.lax.cond(
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def _verify_step(logits, draft_tokens, num_drafts, sampling_meta, *, mesh=None):
+    return _replicated(jax.lax.cond(
         jnp.all(sampling_meta.temperature <= 0.0),
         lambda: verify_greedy(logits, draft_tokens, num_drafts),
         lambda: verify(logits, draft_tokens, num_drafts, sampling_meta),
-    )
+    ), mesh)
 
 
-@jax.jit
-def _argmax_step(logits):
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def _argmax_step(logits, *, mesh=None):
     # The lowest id wins ties, as in the sampler's greedy rows.
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return _replicated(jnp.argmax(logits, axis=-1).astype(jnp.int32), mesh)
 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params, kv_cache, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, attention_backend: str = "xla",
-                 num_speculative_tokens: int = 0, greedy_only: bool = False, with_features: bool = False):
+                 num_speculative_tokens: int = 0, greedy_only: bool = False, with_features: bool = False,
+                 mesh=None):
         self.config = config
+        # The ("model",) mesh params and kv_cache are sharded over, or None (one device).
+        self.mesh = mesh
         # with_features: every forward also returns the pre-norm hidden state of
         # each row, kept in `last_features` (device, [rows, hidden]) for an
         # EAGLE proposer; off otherwise, so no other engine pays for it.
@@ -200,18 +235,18 @@ class ModelRunner:
                 jax.block_until_ready(self._spec_forward(tokens, meta))
             elif kind == "argmax":
                 _, num_seqs = program
-                jax.block_until_ready(self._argmax(jnp.zeros((num_seqs, vocab), jnp.float32)))
+                jax.block_until_ready(self._argmax(self._put(np.zeros((num_seqs, vocab), np.float32))))
             else:
                 num_seqs = program[1]
                 sampling = SamplingMetadata.from_params([None] * num_seqs, [0] * num_seqs, [0] * num_seqs, num_seqs)
                 if kind == "sample":
                     with_penalties = program[2]
                     penalties = make_penalty_inputs([], [], vocab, num_seqs) if with_penalties else None
-                    logits = jnp.zeros((num_seqs, vocab), jnp.float32)
+                    logits = self._put(np.zeros((num_seqs, vocab), np.float32))
                     jax.block_until_ready(self._sample(logits, sampling, penalties, with_penalties))
                 else:
                     k = program[2]
-                    logits = jnp.zeros((num_seqs, 1 + k, vocab), jnp.float32)
+                    logits = self._put(np.zeros((num_seqs, 1 + k, vocab), np.float32))
                     drafts, num_drafts = np.zeros((num_seqs, k), np.int32), np.zeros(num_seqs, np.int32)
                     jax.block_until_ready(self._verify(logits, drafts, num_drafts, sampling))
         self.warmed_up = True
@@ -234,34 +269,46 @@ class ModelRunner:
             if self.warmed_up:
                 log.error("compilation after warm-up of %s: a shape escaped bucketing", program)
 
+    def _put(self, tree):
+        """Host inputs: as they are on one device (jit transfers them), replicated on a mesh."""
+        if self.mesh is None:
+            return tree
+        from jaxinfer.parallel.placement import replicate
+
+        return replicate(tree, self.mesh)
+
     def _forward(self, tokens, meta, logits_indices, decode: bool):
         self._count(("forward", len(tokens), len(logits_indices), decode))
+        tokens, meta, logits_indices = self._put((tokens, meta, logits_indices))
         logits, self.last_features, self.kv_cache = _forward_step(
             self.params, self.kv_cache, tokens, meta, logits_indices, config=self.config,
-            backend=self.attention_backend, decode=decode, with_features=self.with_features,
+            backend=self.attention_backend, decode=decode, with_features=self.with_features, mesh=self.mesh,
         )
         return logits
 
     def _sample(self, logits, sampling, penalties, with_penalties: bool):
         self._count(("sample", logits.shape[0], with_penalties))
-        return _sample_step(logits, sampling, penalties, with_penalties=with_penalties)
+        sampling, penalties = self._put((sampling, penalties))
+        return _sample_step(logits, sampling, penalties, with_penalties=with_penalties, mesh=self.mesh)
 
     def _spec_forward(self, tokens, meta):
         num_seqs = len(meta.context_lens)
         self._count(("spec_forward", num_seqs, len(tokens) // num_seqs - 1))
+        tokens, meta = self._put((tokens, meta))
         logits, first_logits, self.last_features, self.kv_cache = _spec_forward_step(
             self.params, self.kv_cache, tokens, meta, config=self.config, backend=self.attention_backend,
-            with_features=self.with_features,
+            with_features=self.with_features, mesh=self.mesh,
         )
         return logits, first_logits
 
     def _verify(self, logits, drafts, num_drafts, sampling):
         self._count(("verify", drafts.shape[0], drafts.shape[1]))
-        return _verify_step(logits, drafts, num_drafts, sampling)
+        drafts, num_drafts, sampling = self._put((drafts, num_drafts, sampling))
+        return _verify_step(logits, drafts, num_drafts, sampling, mesh=self.mesh)
 
     def _argmax(self, logits):
         self._count(("argmax", logits.shape[0]))
-        return _argmax_step(logits)
+        return _argmax_step(logits, mesh=self.mesh)
 
     def run(self, inputs, with_penalties: bool):
         """One step on the device: forward, then sampling; returns the SamplerOutput (device arrays)."""

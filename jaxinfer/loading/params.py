@@ -12,10 +12,20 @@ per layer like arrays: `quantization="gguf"` keeps a GGUF file's Q8_0 / Q4_0 /
 Q4_1 blocks (sources offering `get_quantized`), and "int8" | "int4" | "fp8"
 quantize each float32 weight as it is read (round to nearest, as
 quant/params.py's quantize_params; the head stays float).
+
+With a mesh (tensor parallelism, parallel/), every tensor goes straight into
+its shards: each device gets only its slice of the host tensor
+(parallel/placement.py; a memory-mapped safetensors tensor is read slice by
+slice), RTN quantization runs sharded under jit with the parts' declared
+output shardings, and per-layer slices are stacked on their own devices.
+No tensor is ever assembled whole on one device. When the KV heads are
+fewer than the devices, wk / wv / bk / bv are read with each KV head
+repeated (parallel/sharding.py, the KV-head rule).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Protocol
 
@@ -90,17 +100,103 @@ def _check_shape(source: TensorSource, name: str, shape, transpose: bool, expect
         )
 
 
-def _read(source: TensorSource, name: str, transpose: bool, expected_shape: tuple, dtype) -> jax.Array:
+class _Placement:
+    """Where tensors go on a mesh: their shards; `expand` repeats KV heads
+    (the KV-head rule, parallel/sharding.py)."""
+
+    def __init__(self, config: ModelConfig, mesh):
+        from jaxinfer.parallel.sharding import check_divisible, kv_head_replication
+
+        self.mesh = mesh
+        self.tp = mesh.size
+        check_divisible(config, self.tp)
+        self.kv_replication = kv_head_replication(config.num_kv_heads, self.tp)
+        self.num_kv_heads = config.num_kv_heads
+
+    def expand(self, path: str, array):
+        from jaxinfer.parallel.sharding import KV_KEYS, expand_kv_weight
+
+        if self.kv_replication == 1 or path not in KV_KEYS:
+            return array
+        return expand_kv_weight(array, self.num_kv_heads, self.kv_replication)
+
+    def shardings(self, path: str, tree, layer: bool):
+        """NamedShardings for `tree` (an array or a QuantizedTensor, numpy or
+        ShapeDtypeStructs) as parameter `path`; layer: one layer's slice."""
+        from jaxinfer.parallel.placement import layer_shardings
+        from jaxinfer.parallel.sharding import named
+
+        if layer:  # specs are declared for the stacked shape: add the layer axis, then drop it
+            stacked = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), tree)
+            return layer_shardings(named(_path_specs(path, stacked, self.tp), self.mesh))
+        return named(_path_specs(path, tree, self.tp), self.mesh)
+
+    def put(self, path: str, array: np.ndarray, dtype, layer: bool = False) -> jax.Array:
+        from jaxinfer.parallel.placement import put
+
+        array = self.expand(path, array)
+        return put(array, self.shardings(path, array, layer), dtype)
+
+    def put_quantized(self, path: str, q: QuantizedTensor, layer: bool = False) -> QuantizedTensor:
+        from jaxinfer.parallel.placement import put_tree
+
+        q = self.expand(path, q)
+        return put_tree(q, self.shardings(path, q, layer))
+
+    def quantize(self, path: str, w: jax.Array, quantization: str, name: str) -> QuantizedTensor:
+        # Sharded RTN: scales of a row-parallel weight reduce across shards (GSPMD).
+        from jaxinfer.parallel.placement import Hashable
+
+        fn = functools.partial(quantize_weight, scheme=quantization, name=name)
+        out = self.shardings(path, jax.eval_shape(fn, w), layer=True)
+        return _sharded_quantizer(quantization, Hashable(out))(w)
+
+    def stack(self, path: str, per_layer: list):
+        from jaxinfer.parallel.placement import stack
+
+        stacked = jax.eval_shape(lambda *xs: jax.tree_util.tree_map(lambda *l: jnp.stack(l), *xs), *per_layer)
+        return stack(per_layer, self.shardings(path, stacked, layer=False))
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_quantizer(quantization: str, out_shardings):
+    """One jitted RTN per scheme and output sharding, shared by all layers of a weight
+    (a fresh jit per layer would compile once per layer)."""
+    return jax.jit(functools.partial(quantize_weight, scheme=quantization), out_shardings=out_shardings.value)
+
+
+def _path_specs(path: str, tree, tp: int):
+    from jaxinfer.parallel.sharding import param_specs
+
+    *parents, name = path.split("/")
+    nested = {name: tree}
+    for parent in reversed(parents):
+        nested = {parent: nested}
+    specs = param_specs(nested, tp)
+    for part in path.split("/"):
+        specs = specs[part]
+    return specs
+
+
+def _get(source: TensorSource, name: str, transpose: bool, expected_shape: tuple) -> np.ndarray:
+    """The checked host tensor in params orientation (a view where possible: nothing copied yet)."""
     if name not in source.names():
         raise CheckpointError(f"{source.description} lacks tensor {name}")
     array = source.get(name)
     _check_shape(source, name, array.shape[::-1] if transpose else array.shape, transpose, expected_shape)
-    if transpose:
-        array = array.T
-    return jax.device_put(np.ascontiguousarray(array, dtype=dtype))
+    return array.T if transpose else array
 
 
-def _read_direct(source: TensorSource, name: str, expected_shape: tuple) -> QuantizedTensor | None:
+def _read(source: TensorSource, name: str, transpose: bool, expected_shape: tuple, dtype,
+          placement: _Placement | None = None, path: str = "", layer: bool = False) -> jax.Array:
+    array = _get(source, name, transpose, expected_shape)
+    if placement is None:
+        return jax.device_put(np.ascontiguousarray(array, dtype=dtype))
+    return placement.put(path, array, dtype, layer)
+
+
+def _read_direct(source: TensorSource, name: str, expected_shape: tuple, placement: _Placement | None = None,
+                 path: str = "", layer: bool = False) -> QuantizedTensor | None:
     """The checkpoint's own quantized form of a linear weight, on the device, or None."""
     if name not in source.names():
         raise CheckpointError(f"{source.description} lacks tensor {name}")
@@ -108,16 +204,22 @@ def _read_direct(source: TensorSource, name: str, expected_shape: tuple) -> Quan
     if q is None:
         return None
     _check_shape(source, name, q.shape, True, expected_shape)
-    return jax.device_put(q)
+    if placement is None:
+        return jax.device_put(q)
+    return placement.put_quantized(path, q, layer)
 
 
-def _read_quantized(source, name: str, expected_shape: tuple, quantization: str) -> QuantizedTensor | None:
+def _read_quantized(source, name: str, expected_shape: tuple, quantization: str,
+                    placement: _Placement | None = None, path: str = "") -> QuantizedTensor | None:
     """A linear weight [in, out] quantized per `quantization` (None from "gguf"
     when the stored type has no direct form). RTN starts from float32, not
     from the requested dtype, so bfloat16 loads do not round twice."""
     if quantization == "gguf":
-        return _read_direct(source, name, expected_shape)
-    return quantize_weight(_read(source, name, True, expected_shape, np.float32), quantization, name=name)
+        return _read_direct(source, name, expected_shape, placement, path, layer=True)
+    w = _read(source, name, True, expected_shape, np.float32, placement, path, layer=True)
+    if placement is None:
+        return quantize_weight(w, quantization, name=name)
+    return placement.quantize(path, w, quantization, name)
 
 
 def _stack(per_layer: list):
@@ -129,14 +231,18 @@ def _kind(w: QuantizedTensor):
 
 
 def build_params(
-    config: ModelConfig, source: TensorSource, dtype="float32", progress: bool = True, quantization: str | None = None
+    config: ModelConfig, source: TensorSource, dtype="float32", progress: bool = True, quantization: str | None = None,
+    mesh=None,
 ) -> dict:
-    """quantization: None | "gguf" | "int8" | "int4" | "fp8" (see the module docstring)."""
+    """quantization: None | "gguf" | "int8" | "int4" | "fp8" (see the module docstring).
+    mesh: None (the default device) or a ("model",) mesh to shard over
+    (parallel/sharding.py); the params then fit sharded_config(config, mesh.size)."""
     dtype = resolve_dtype(dtype)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "gguf" and not hasattr(source, "get_quantized"):
         raise ValueError(f'quantization="gguf" needs a GGUF checkpoint; {source.description} is not one')
+    placement = None if mesh is None else _Placement(config, mesh)
     shapes = param_shapes(config)
     total = len(shapes["layers"]) * config.num_layers + len(shapes) - 1
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
@@ -147,8 +253,8 @@ def build_params(
         name, transpose = _GLOBAL_TENSORS[key]
         # Load-time RTN leaves the head float (quantize_params' include_head
         # default); a GGUF head stored quantized stays as stored.
-        head = _read_direct(source, name, shape) if key == "lm_head" and quantization == "gguf" else None
-        params[key] = head if head is not None else _read(source, name, transpose, shape, dtype)
+        head = _read_direct(source, name, shape, placement, key) if key == "lm_head" and quantization == "gguf" else None
+        params[key] = head if head is not None else _read(source, name, transpose, shape, dtype, placement, key)
         bar.update()
     layers = {}
     for key, shape in shapes["layers"].items():
@@ -156,7 +262,8 @@ def build_params(
         names = [f"model.layers.{i}.{suffix}" for i in range(config.num_layers)]
         per_layer = None
         if key in LINEAR_KEYS and quantization is not None:
-            per_layer = [_read_quantized(source, name, shape[1:], quantization) for name in names]
+            per_layer = [_read_quantized(source, name, shape[1:], quantization, placement, f"layers/{key}")
+                         for name in names]
             kinds = {None if w is None else _kind(w) for w in per_layer}
             if len(kinds) != 1 or None in kinds:
                 # Layers stored in different block types cannot share one stacked
@@ -165,9 +272,10 @@ def build_params(
                     log.warning("%s: layers mix GGUF types; loading %s dequantized", source.description, key)
                 per_layer = None
         if per_layer is None:
-            per_layer = [_read(source, name, transpose, shape[1:], dtype) for name in names]
+            per_layer = [_read(source, name, transpose, shape[1:], dtype, placement, f"layers/{key}", layer=True)
+                         for name in names]
         bar.update(config.num_layers)
-        layers[key] = _stack(per_layer)
+        layers[key] = _stack(per_layer) if placement is None else placement.stack(f"layers/{key}", per_layer)
         del per_layer  # free the unstacked copies before the next weight
     params["layers"] = layers
     bar.close()

@@ -73,14 +73,25 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype, kv_cache_dtype: 
     return 2 * config.num_layers * block_size * config.num_kv_heads * per_token_head
 
 
-def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype, kv_cache_dtype: str = "auto"):
-    """Zeroed cache pytree for all layers (see the module docstring for its two forms)."""
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype, kv_cache_dtype: str = "auto",
+                      mesh=None):
+    """Zeroed cache pytree for all layers (see the module docstring for its two forms).
+    mesh: None (the default device) or a ("model",) mesh: every part is split
+    on its KV-head axis (parallel/sharding.py) and each device zeroes only its shard."""
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     storage = kv_storage_dtype(dtype, kv_cache_dtype)
-    pools = (jnp.zeros(shape, storage), jnp.zeros(shape, storage))
-    if kv_cache_dtype == "auto":
-        return pools
-    return pools + (jnp.zeros(shape[:-1], SCALE_DTYPE), jnp.zeros(shape[:-1], SCALE_DTYPE))
+
+    def zeros():
+        pools = (jnp.zeros(shape, storage), jnp.zeros(shape, storage))
+        if kv_cache_dtype == "auto":
+            return pools
+        return pools + (jnp.zeros(shape[:-1], SCALE_DTYPE), jnp.zeros(shape[:-1], SCALE_DTYPE))
+
+    if mesh is None:
+        return zeros()
+    from jaxinfer.parallel.sharding import kv_cache_specs, named
+
+    return jax.jit(zeros, out_shardings=named(kv_cache_specs(kv_cache_dtype != "auto"), mesh))()
 
 
 def quantize_kv(x, storage_dtype):

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.kv_cache import as_fp8, is_quantized, quantize_kv
+from jaxinfer.parallel.attention import shard_heads
 
 
 @jax.tree_util.register_dataclass
@@ -144,7 +145,7 @@ ATTENTION_BACKENDS = ("xla", "pallas", "pallas_interpret")
 
 
 def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, backend: str = "xla",
-                          decode: bool = False) -> AttentionFn:
+                          decode: bool = False, mesh=None) -> AttentionFn:
     """The model-facing attention over the paged cache (batch dim 1, tokens flattened).
 
     backend "xla" is the plain-jnp tiled reference above. "pallas" runs the
@@ -154,9 +155,16 @@ def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, bac
     Pallas backend serves with the split-k decode kernel; other steps (prefill
     chunks mixed with decode tokens) go to the ragged prefill kernel.
     The new tokens' K/V are scattered into the donated pool first, in place.
+    mesh: the ("model",) mesh of a tensor-parallel run, over which the heads
+    and the pool's KV heads are split: the Pallas kernels then run per shard
+    (parallel/attention.py); the jnp backend and the KV write are left to GSPMD.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+
+    def kernel(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta):
+        return _pallas_attention(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta, sliding_window, decode,
+                                 interpret=backend == "pallas_interpret")
 
     def attend(q, k, v, kv_cache, layer_index):
         kv_cache = write_kv(kv_cache, layer_index, k[0], v[0], meta.slot_mapping)
@@ -166,8 +174,7 @@ def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, bac
             out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index,
                                             k_scales=k_scales, v_scales=v_scales)
         else:
-            out = _pallas_attention(q[0], k_pool, v_pool, k_scales, v_scales, layer_index, meta, sliding_window,
-                                    decode, interpret=backend == "pallas_interpret")
+            out = shard_heads(kernel, mesh)(q[0], k_pool, v_pool, k_scales, v_scales, layer_index, meta)
         return out[None].astype(q.dtype), kv_cache
 
     return attend

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.kv_cache import is_quantized
 from jaxinfer.models.paged_attention import PagedAttentionMetadata, write_kv
+from jaxinfer.parallel.attention import shard_heads
 
 
 def multi_query_attention_reference(q, k_pool, v_pool, layer_index, block_tables, context_lens, *, k_scales=None,
@@ -86,9 +87,17 @@ def multi_query_attention_reference(q, k_pool, v_pool, layer_index, block_tables
 
 
 def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_window=None,
-                           backend: str = "xla") -> AttentionFn:
+                           backend: str = "xla", mesh=None) -> AttentionFn:
     """The model-facing attention of a verification step (batch dim 1, the
-    S * rows tokens flattened sequence-major)."""
+    S * rows tokens flattened sequence-major). mesh: as in
+    models/paged_attention.py (the Pallas kernel then runs per shard)."""
+
+    def kernel(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta):
+        from pallas_kernels.paged_decode_attention import paged_decode_attention
+
+        return paged_decode_attention(q, k_pool, v_pool, layer_index, meta.block_tables, meta.context_lens,
+                                      k_scales=k_scales, v_scales=v_scales, sliding_window=sliding_window,
+                                      interpret=backend == "pallas_interpret")
 
     def attend(q, k, v, kv_cache, layer_index):
         kv_cache = write_kv(kv_cache, layer_index, k[0], v[0], meta.slot_mapping)
@@ -101,11 +110,7 @@ def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_wind
                                                   meta.context_lens, k_scales=k_scales, v_scales=v_scales,
                                                   sliding_window=sliding_window)
         else:
-            from pallas_kernels.paged_decode_attention import paged_decode_attention
-
-            out = paged_decode_attention(per_seq, k_pool, v_pool, layer_index, meta.block_tables, meta.context_lens,
-                                         k_scales=k_scales, v_scales=v_scales, sliding_window=sliding_window,
-                                         interpret=backend == "pallas_interpret")
+            out = shard_heads(kernel, mesh)(per_seq, k_pool, v_pool, k_scales, v_scales, layer_index, meta)
         return out.reshape(1, num_tokens, num_heads, head_dim).astype(q.dtype), kv_cache
 
     return attend

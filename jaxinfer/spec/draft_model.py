@@ -54,14 +54,19 @@ def load_draft_model(spec: SpeculativeConfig, target: Model, progress: bool = Tr
         from jaxinfer.quant.params import quantize_params
 
         params = quantize_params(target.params, spec.quantization)
+        if target.mesh is not None:
+            from jaxinfer.parallel.placement import shard_params
+
+            params = shard_params(params, target.mesh)
         return Model(target.config, params, target.tokenizer, target.dtype,
-                     f"{target.source} ({spec.quantization} draft)")
+                     f"{target.source} ({spec.quantization} draft)", mesh=target.mesh)
     kwargs = {}
     if spec.quantization is not None:
         if "quantization" not in inspect.signature(load).parameters:
             raise ValueError("speculative['quantization'] is not supported: load() takes no quantization argument")
         kwargs["quantization"] = spec.quantization
-    draft = load(spec.model, dtype=target.dtype, progress=progress, **kwargs)
+    # On the target's mesh: the draft is sharded the same way (its head counts must allow it).
+    draft = load(spec.model, dtype=target.dtype, progress=progress, mesh=target.mesh, **kwargs)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"speculative: the draft model {draft.source} has vocab_size {draft.config.vocab_size} but the target "
@@ -91,11 +96,11 @@ class DraftModelProposer:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         cache = kv_cache.allocate_kv_cache(draft.config, num_blocks, config.block_size, draft.dtype,
-                                           config.kv_cache_dtype)
+                                           config.kv_cache_dtype, mesh=draft.mesh)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
             draft.config, draft.params, cache, config.block_size, config.max_model_len, config.max_num_seqs,
-            config.max_num_batched_tokens, config.attention_backend, greedy_only=True,
+            config.max_num_batched_tokens, config.attention_backend, greedy_only=True, mesh=draft.mesh,
         )
         self.runner.warmup(progress)
         self._computed: dict[int, int] = {}  # seq_id -> valid tokens in the draft cache

@@ -1,0 +1,384 @@
+"""Multi-device checks, run by tests/test_parallel.py in a subprocess whose
+XLA_FLAGS give JAX 8 (or 4) virtual CPU devices, so that the rest of the
+suite keeps seeing one device. `python -m tests.parallel_checks GROUP`;
+each group asserts and prints what it compared; a failure exits non-zero.
+
+References are independent of the code under test: the single-device
+(no mesh) uncached full-sequence forward of the same checkpoint and
+quantization, the single-device engine, and HF transformers' logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+import jax
+import numpy as np
+
+from jaxinfer import LLM, SamplingParams, load
+from jaxinfer.parallel.mesh import replica_meshes
+from jaxinfer.parallel.sharding import is_replicated, param_specs
+from jaxinfer.quant.tensor import QuantizedTensor
+from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model, save_hf_model
+
+ENGINE = dict(max_model_len=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=16)
+VOCAB = 128
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def workload(num=6, seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(1, 30, num)]
+    max_tokens = [int(m) for m in rng.integers(1, 9, num)]
+    return prompts, max_tokens
+
+
+def greedy(n, logprobs=None):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
+
+
+def reference_greedy(model, prompts, max_tokens):
+    """Greedy tokens and their log-probabilities from uncached single-device forwards."""
+    tokens_out, logprobs_out = [], []
+    for prompt, n in zip(prompts, max_tokens):
+        tokens, lps = list(prompt), []
+        for _ in range(n):
+            logits = model.logits(tokens)[-1].astype(np.float64)
+            token = int(logits.argmax())
+            lps.append(float(logits[token] - logits.max() - np.log(np.exp(logits - logits.max()).sum())))
+            tokens.append(token)
+        tokens_out.append(tokens[len(prompt):])
+        logprobs_out.append(lps)
+    return tokens_out, logprobs_out
+
+
+class _CompileLog(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.compiled: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("Compiling "):
+            self.compiled.append(message[:120])
+
+
+@contextmanager
+def count_compilations():
+    """Every XLA compilation inside the block (the runner's own counter only
+    sees new bucket keys, not a recompilation for a changed input sharding)."""
+    handler = _CompileLog()
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield handler.compiled
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+
+
+def _flat(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flat(value, f"{prefix}{key}/")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _parts(path, leaf, spec):
+    if isinstance(leaf, QuantizedTensor):
+        for name in ("data", "scales", "offsets"):
+            if getattr(leaf, name) is not None:
+                yield f"{path}/{name}", getattr(leaf, name), getattr(spec, name)
+    else:
+        yield path, leaf, spec
+
+
+# Replicated by declaration: the norms, and per-channel scales (offsets) of row-parallel weights.
+DECLARED_REPLICATED = re.compile(r"^(final_norm|layers/(attn_norm|mlp_norm|q_norm|k_norm)|layers/(wo|w_down)/(scales|offsets))$")
+
+
+def check_param_shardings(params, mesh) -> int:
+    """Each array's actual sharding is its declared spec; a declared split
+    gives each device exactly 1 / N of that axis; nothing is replicated
+    unless declared so (and the declared-replicated set is the expected one)."""
+    n = mesh.size
+    declared = param_specs(params, n)
+    flat_specs = dict(_flat(declared))
+    checked = 0
+    for path, leaf in _flat(params):
+        for name, array, spec in _parts(path, leaf, flat_specs[path]):
+            expected = jax.sharding.NamedSharding(mesh, spec)
+            assert array.sharding.is_equivalent_to(expected, array.ndim), (name, array.sharding, spec)
+            assert set(array.sharding.device_set) == set(mesh.devices.flat), name
+            if is_replicated(spec):
+                assert DECLARED_REPLICATED.match(name), f"{name} is replicated but should be split"
+                assert array.sharding.is_fully_replicated
+            else:
+                assert not array.sharding.is_fully_replicated, f"{name} declared {spec} but fully replicated"
+                axis = [a for a, s in enumerate(spec) if s is not None][0]
+                for shard in array.addressable_shards:
+                    expect = list(array.shape)
+                    expect[axis] //= n
+                    assert list(shard.data.shape) == expect, (name, shard.data.shape, expect)
+            checked += 1
+    return checked
+
+
+def check_kv_sharding(llm, tp):
+    config = llm.engine.runner.config
+    for pool in llm.engine.runner.kv_cache:
+        assert pool.sharding.spec[3] == "model", pool.sharding
+        for shard in pool.addressable_shards:
+            assert shard.data.shape[3] == config.num_kv_heads // tp
+
+
+def tp_group(backend: str, quantization: str | None, variant="llama_tp", sizes=(2, 4, 8)):
+    directory = save_hf_model(make_hf_model(variant, seed=7), tempfile.mkdtemp())
+    prompts, max_tokens = workload()
+    single = load(directory, progress=False, quantization=quantization)
+    ref_tokens, ref_logprobs = reference_greedy(single, prompts, max_tokens)
+    probe = list(range(3, 3 + 29))
+    ref_logits = single.logits(probe)
+    if quantization is None:
+        assert_logits_close(ref_logits, hf_logits(make_hf_model(variant, seed=7), probe))
+    for tp in sizes:
+        start = time.perf_counter()
+        llm = LLM(directory, progress=False, quantization=quantization, tensor_parallel_size=tp,
+                  attention_backend=backend, **ENGINE)
+        startup = time.perf_counter() - start
+        assert llm.model.mesh.size == tp
+        num_arrays = check_param_shardings(llm.model.params, llm.model.mesh)
+        check_kv_sharding(llm, tp)
+        logits = llm.model.logits(probe)
+        logits_err = float(np.abs(logits - ref_logits).max())
+        assert_logits_close(logits, ref_logits, rtol=1e-5)
+        with count_compilations() as compiled:
+            outputs = llm.generate(prompts, [greedy(n, logprobs=1) for n in max_tokens], use_tqdm=False)
+        assert not compiled, f"compiled after warm-up: {compiled}"
+        lp_err = 0.0
+        for out, tokens, lps in zip(outputs, ref_tokens, ref_logprobs):
+            completion = out.outputs[0]
+            assert completion.token_ids == tokens, (tp, completion.token_ids, tokens)
+            got = [entry[t].logprob for entry, t in zip(completion.logprobs, completion.token_ids)]
+            lp_err = max(lp_err, float(np.abs(np.array(got) - np.array(lps)).max()))
+        assert lp_err < 1e-4, lp_err
+        if tp == 4:
+            check_collectives(llm)
+        log(f"{variant} {backend} {quantization or 'float'} TP{tp}: kv_heads {llm.model.config.num_kv_heads}, "
+            f"{num_arrays} arrays as declared, tokens equal, max |logits diff| {logits_err:.2e}, "
+            f"max |logprob diff| {lp_err:.2e}, startup {startup:.1f}s")
+
+
+def collectives_of(llm, decode: bool):
+    """Collective ops of the compiled forward of one bucket: [(op, result type)]."""
+    from jaxinfer.engine import runner as runner_module
+
+    r = llm.engine.runner
+    n_tok, n_seq = (2, 2) if decode else (16, 8)
+    tokens, meta, _ = r._dummy_forward_inputs(n_tok, n_seq)
+    tokens, meta, indices = r._put((tokens, meta, np.zeros(n_seq, np.int32)))
+    compiled = runner_module._forward_step.lower(
+        r.params, r.kv_cache, tokens, meta, indices, config=r.config, backend=r.attention_backend, decode=decode,
+        mesh=r.mesh).compile()
+    found = []
+    for line in compiled.as_text().split("\n"):
+        m = re.search(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\(", line)
+        if m:
+            found.append((m.group(2), m.group(1)))
+    return found, n_tok, n_seq
+
+
+def check_collectives(llm):
+    """The compiled step: two all-reduces per layer (one scan body) plus the
+    vocab-parallel lookup, all of activation size; the only all-gather is the
+    logits rows. No weight or KV-pool gather."""
+    hidden = llm.model.config.hidden_size
+    for decode in (True, False):
+        found, n_tok, n_seq = collectives_of(llm, decode)
+        reduces = [t for op, t in found if op == "all-reduce"]
+        gathers = [t for op, t in found if op == "all-gather"]
+        others = [op for op, _ in found if op not in ("all-reduce", "all-gather")]
+        assert len(reduces) == 3 and all(re.match(rf"f32\[(1,)?{n_tok},{hidden}\]", t) for t in reduces), found
+        assert len(gathers) == 1 and re.match(rf"f32\[{n_seq},{VOCAB}\]", gathers[0]), found
+        assert not others, found
+        log(f"  {'decode' if decode else 'mixed'} step collectives: {found}")
+
+
+def specs_group():
+    """Shardings of float / int8 / int4 / fp8 / orbax-restored params, KV-head
+    replication with biases and tied embeddings, and that loading hands
+    devices only their slices."""
+    from jaxinfer.convert import convert
+    from jaxinfer.parallel import placement
+
+    directory = save_hf_model(make_hf_model("llama_tp", seed=7), tempfile.mkdtemp())
+    mesh8 = replica_meshes(8)[0]
+    probe = list(range(5, 5 + 20))
+
+    # Loading puts only slices: every callback of make_array_from_callback is asked for one device's part.
+    calls = []
+    original = jax.make_array_from_callback
+
+    def spying(shape, sharding, callback, *args, **kwargs):
+        def recorded(index):
+            out = callback(index)
+            calls.append((tuple(shape), sharding, out.shape))
+            return out
+        return original(shape, sharding, recorded, *args, **kwargs)
+
+    jax.make_array_from_callback = spying
+    try:
+        model = load(directory, progress=False, mesh=mesh8)
+    finally:
+        jax.make_array_from_callback = original
+    assert calls
+    for shape, sharding, got in calls:
+        assert got == sharding.shard_shape(shape), (shape, got)
+    split = sum(1 for shape, sharding, got in calls if got != shape)
+    log(f"load TP8: {len(calls)} device slices put, {split} of them a strict part of their tensor, "
+        f"{check_param_shardings(model.params, mesh8)} arrays as declared")
+
+    for quantization in ("int8", "int4", "fp8"):
+        single = load(directory, progress=False, quantization=quantization)
+        sharded = load(directory, progress=False, quantization=quantization, mesh=mesh8)
+        n = check_param_shardings(sharded.params, mesh8)
+        assert_logits_close(sharded.logits(probe), single.logits(probe), rtol=1e-5)
+        log(f"{quantization} TP8: {n} arrays as declared, logits equal single-device")
+
+    # orbax restore with target shardings (KV heads replicated, then repeated on device).
+    with tempfile.TemporaryDirectory() as tmp:
+        for quantize in ("none", "int8"):
+            out = f"{tmp}/ckpt-{quantize}"
+            convert(directory, out, quantize=quantize, progress=False, log=lambda *a, **k: None)
+            single = load(out, progress=False)
+            for tp in (2, 8):
+                mesh = replica_meshes(tp)[0]
+                restored = load(out, progress=False, mesh=mesh)
+                n = check_param_shardings(restored.params, mesh)
+                assert_logits_close(restored.logits(probe), single.logits(probe), rtol=1e-5)
+                log(f"orbax {quantize} TP{tp}: {n} arrays restored as declared, logits equal single-device")
+
+    # GGUF blocks kept quantized (32-row groups): at TP 2 the row-parallel
+    # weights' 2 groups split with their rows, at TP 4 a group straddles shards.
+    import gguf
+
+    from tests.gguf_writer import write_gguf
+
+    small = make_hf_model("llama", seed=7)  # 4 heads, 2 KV heads, head_dim 16
+    with tempfile.TemporaryDirectory() as tmp:
+        for qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1):
+            path = str(write_gguf(small, f"{tmp}/m-{qtype.name}.gguf", qtype))
+            single = load(path, progress=False, quantization="gguf")
+            for tp in (2, 4):
+                mesh = replica_meshes(tp)[0]
+                sharded = load(path, progress=False, quantization="gguf", mesh=mesh)
+                assert isinstance(sharded.params["layers"]["wo"], QuantizedTensor)
+                n = check_param_shardings(sharded.params, mesh)
+                assert_logits_close(sharded.logits(probe), single.logits(probe), rtol=1e-5)
+                log(f"GGUF {qtype.name} kept quantized, TP{tp}: {n} arrays as declared, logits equal single-device")
+
+    # Biases repeated with the KV heads, tied (vocab-split) embeddings: against HF.
+    qwen = make_hf_model("qwen2_tp", seed=7)
+    qwen_dir = save_hf_model(qwen, tempfile.mkdtemp())
+    for tp in (2, 4, 8):
+        mesh = replica_meshes(tp)[0]
+        sharded = load(qwen_dir, progress=False, mesh=mesh)
+        check_param_shardings(sharded.params, mesh)
+        assert_logits_close(sharded.logits(probe), hf_logits(qwen, probe))
+    log("qwen2 (q/k/v biases, tied embeddings) TP2/4/8: logits equal HF")
+
+
+
+def dp_group():
+    """DP 2 x TP 2 on 4 devices: a mixed batch equals the single-device engine."""
+    assert len(jax.devices()) == 4
+    directory = save_hf_model(make_hf_model("llama_tp", seed=11), tempfile.mkdtemp())
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(1, 30, 8)]
+    params = [
+        greedy(6, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=7, seed=1, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, max_tokens=5, seed=2, n=2, ignore_eos=True),
+        greedy(3),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, max_tokens=6, seed=3, ignore_eos=True),
+        greedy(8),
+        SamplingParams(temperature=1.2, min_p=0.05, max_tokens=4, seed=4, ignore_eos=True, logprobs=1),
+        greedy(1),
+    ]
+    options = ENGINE
+    single = LLM(directory, progress=False, **options)
+    expected = single.generate(prompts, params, use_tqdm=False)
+    llm = LLM(directory, progress=False, tensor_parallel_size=2, data_parallel_size=2, **options)
+    replicas = llm.engine.replicas
+    assert len(replicas) == 2
+    devices = [set(r.model.mesh.devices.flat) for r in replicas]
+    assert not devices[0] & devices[1] and len(devices[0] | devices[1]) == 4
+    for r in replicas:
+        check_param_shardings(r.model.params, r.model.mesh)
+    with count_compilations() as compiled:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert not compiled, compiled
+    for got, want in zip(outputs, expected):
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs], (got, want)
+        for c, w in zip(got.outputs, want.outputs):
+            if w.logprobs is not None:
+                for a, b in zip(c.logprobs, w.logprobs):
+                    assert a.keys() == b.keys()
+                    assert max(abs(a[k].logprob - b[k].logprob) for k in a) < 1e-4
+    served = [r.stats()["prefix_cache_queries"] for r in replicas]
+    assert all(served), served  # both replicas took requests
+    log(f"DP2 x TP2: {len(prompts)} mixed requests equal single-device; prompt tokens per replica {served}")
+
+
+def multihost_group():
+    """One of two processes of a lockstep run (JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID set by the caller, 2 CPU devices each):
+    TP 4 over both processes' devices. Prints this process's outputs as JSON
+    for the caller to compare across processes and with one device."""
+    import json
+
+    from jaxinfer.parallel.distributed import initialize
+
+    # Cross-process collectives on CPU go through gloo (GPUs use NCCL by themselves).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    assert initialize(), "no coordinator in the environment"
+    assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
+    prompts, params = multihost_requests()
+    llm = LLM(sys.argv[2], progress=False, tensor_parallel_size=4, **ENGINE)
+    assert {d.process_index for d in llm.model.mesh.devices.flat} == {0, 1}
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    log("RESULT " + json.dumps([o.outputs[0].token_ids for o in outputs]))
+
+
+def multihost_requests():
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 31)), [7, 8, 9]]
+    params = [greedy(6), greedy(4),
+              SamplingParams(temperature=0.9, max_tokens=5, ignore_eos=True),  # unseeded: host 0's seed
+              ]
+    return prompts, params
+
+
+GROUPS = {
+    "tp-xla": lambda: tp_group("xla", None),
+    # int8 weights and the Pallas kernels (per shard, shard_map) together: the
+    # float XLA group above is the baseline that tells the two apart.
+    "tp-pallas-int8": lambda: tp_group("pallas_interpret", "int8"),
+    "specs": specs_group,
+    "dp": dp_group,
+    "multihost": multihost_group,
+}
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    GROUPS[sys.argv[1]]()
+    log(f"{sys.argv[1]}: ok in {time.perf_counter() - start:.1f}s")
