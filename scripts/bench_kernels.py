@@ -29,16 +29,15 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a plain checkout
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxinfer.bench_timing import copy_bandwidth_gbs, time_ms  # noqa: E402
 from pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference  # noqa: E402
 from pallas_kernels.paged_prefill_attention import (  # noqa: E402
     paged_prefill_attention,
@@ -46,22 +45,6 @@ from pallas_kernels.paged_prefill_attention import (  # noqa: E402
 )
 
 
-def time_ms(fn, *args, iters: int) -> float:
-    """Median wall time of a jitted call, after one untimed warm-up (compile) call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
-def copy_bandwidth_gbs(num_bytes: int, iters: int) -> float:
-    """Device-to-device copy: read + write of a num_bytes buffer."""
-    x = jnp.ones((num_bytes // 4,), jnp.float32)
-    ms = time_ms(jax.jit(lambda a: a * 1.0 + 0.0), x, iters=iters)  # one fused elementwise pass, not elided
-    return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
 def paged_cache(rng_key, num_seqs, context_len, num_kv_heads, head_dim, block_size, dtype):

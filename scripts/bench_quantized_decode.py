@@ -60,6 +60,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
+from jaxinfer.bench_timing import copy_bandwidth_gbs, time_ms  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.models.kv_cache import allocate_kv_cache  # noqa: E402
 from jaxinfer.models.llama import compute_logits, forward, param_shapes  # noqa: E402
@@ -86,22 +87,6 @@ BLOCK_SIZE = 16
 DTYPE = jnp.bfloat16
 
 
-def time_ms(fn, *args, iters: int) -> float:
-    """Median wall time of a jitted call, after one untimed warm-up (compile) call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
-def copy_bandwidth_gbs(num_bytes: int, iters: int) -> float:
-    """Device-to-device copy: read + write of a num_bytes buffer."""
-    x = jnp.ones((num_bytes // 4,), jnp.float32)
-    ms = time_ms(jax.jit(lambda a: a * 1.0 + 0.0), x, iters=iters)  # one fused elementwise pass, not elided
-    return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
 def nbytes(tree) -> int:

@@ -38,8 +38,10 @@ def test_shipped_head_is_exact_and_accepted(eagle_llm):
         assert out.outputs[0].token_ids == tokens[len(prompt):]
     stats = eagle_llm.stats()
     assert stats["spec_proposed_tokens"] > 0
-    # An untrained head is right about 1 time in 49152; the trained one often.
-    assert stats["spec_accepted_tokens"] / stats["spec_proposed_tokens"] > 0.3
+    # An untrained head is right about 1 time in 49152 (test_speculative.py runs one); the trained one
+    # matches the target's first draft on about a quarter to a third of held-out positions, and later
+    # drafts less often (BENCHMARKS.md), so over K = 3 drafts a few percent is a floor no untrained head reaches.
+    assert stats["spec_accepted_tokens"] / stats["spec_proposed_tokens"] > 0.05
 
 
 def test_head_for_another_target_is_refused(tmp_path, eagle_llm):
