@@ -18,7 +18,7 @@ model on text the target generates itself, with optax.
 Prompts here are distinct from scripts/bench_speculative.py's, so the
 benchmark measures the head on text it was not trained on.
 
-Reproduce the shipped head (about 20 min on the 2-core CPU VM):
+Reproduce the shipped head (about 22 min on the 2-core CPU VM, 10 of them generating text):
     python scripts/train_draft_head.py --out checkpoints/eagle-smollm2-135m-instruct.safetensors
 """
 
@@ -40,15 +40,11 @@ SUBJECTS = [
     "the human heart", "rainforests", "bread baking", "the internet", "glaciers", "recycling", "earthquakes",
     "the piano", "vaccines", "desert animals", "paper money", "the Olympic games", "tea ceremonies", "bridges",
     "owls", "compost", "wind turbines", "the alphabet", "submarines", "mushrooms", "marathons", "telescopes",
-    "sourdough", "thunderstorms", "the stock market", "origami", "migratory birds", "video games", "pyramids",
-    "sleep", "public libraries", "space stations", "cheese making", "renewable energy",
 ]
 TEMPLATES = [
     "Explain {} to a ten-year-old.", "Give me three facts about {}.", "Write a short poem about {}.",
     "What are the pros and cons of {}?", "Describe the history of {} in a paragraph.",
     "Write a short story that involves {}.", "How does {} work?", "List five questions a student might ask about {}.",
-    "Write a blog post introduction about {}.", "What would happen if {} disappeared?",
-    "Summarize what an encyclopedia would say about {}.", "Give step-by-step advice for a beginner interested in {}.",
 ]
 CODE_STARTS = [
     "def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef list_files(path):\n",
