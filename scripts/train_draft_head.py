@@ -18,6 +18,8 @@ model on text the target generates itself, with optax.
 Prompts here are distinct from scripts/bench_speculative.py's, so the
 benchmark measures the head on text it was not trained on.
 
+Needs optax: `pip install -e ".[train]"`.
+
 Reproduce the shipped head (about 22 min on the 2-core CPU VM, 10 of them generating text):
     python scripts/train_draft_head.py --out checkpoints/eagle-smollm2-135m-instruct.safetensors
 """
