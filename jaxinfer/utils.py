@@ -15,6 +15,14 @@ def bucket_size(n: int, minimum: int = 16) -> int:
     return size
 
 
+def powers_of_two(low: int, high: int) -> list[int]:
+    """low, 2 low, 4 low, ... up to the first size >= high: every bucket of a dimension."""
+    sizes = [low]
+    while sizes[-1] < high:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
 _cache_enabled = False
 
 

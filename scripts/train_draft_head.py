@@ -189,7 +189,9 @@ def main():
 
         model = load(args.model)
         data = [(list(p), list(c)) for p, c in json.loads(Path(args.data).read_text())]
-        rng.permutation(1)  # keep the generator's state as if the prompts had been shuffled
+        # Shuffle the (unused) prompt list anyway: the draw depends only on its length, so the
+        # generator is left in the same state and the training order matches a run that generated.
+        rng.shuffle(build_prompts(model.tokenizer))
     else:
         llm = LLM(args.model, max_num_seqs=64, max_num_batched_tokens=512)
         model = llm.model

@@ -61,16 +61,9 @@ from jaxinfer.parallel.mesh import MODEL_AXIS
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.spec.acceptance import verify, verify_greedy
 from jaxinfer.spec.attention import verification_attention
-from jaxinfer.utils import bucket_size
+from jaxinfer.utils import bucket_size, powers_of_two
 
 log = logging.getLogger(__name__)
-
-
-def _powers_of_two(low: int, high: int) -> list[int]:
-    sizes = [low]
-    while sizes[-1] < high:
-        sizes.append(sizes[-1] * 2)
-    return sizes
 
 
 def uses_penalties(seq: Sequence) -> bool:
@@ -186,10 +179,10 @@ class ModelRunner:
         # A verification row past the last draft sits at a position up to K
         # beyond the sequence; its table entry must exist (it reads the null block).
         self.max_blocks_per_seq = -(-(max_model_len + num_speculative_tokens) // block_size)
-        self.token_buckets = _powers_of_two(16, max_num_batched_tokens)
-        self.seq_buckets = _powers_of_two(8, max_num_seqs)
+        self.token_buckets = powers_of_two(16, max_num_batched_tokens)
+        self.seq_buckets = powers_of_two(8, max_num_seqs)
         # Padding one decode token to 16 would multiply a memory-bound step's compute by 16.
-        self.decode_buckets = _powers_of_two(1, max_num_seqs)
+        self.decode_buckets = powers_of_two(1, max_num_seqs)
         self.compiled_programs: set = set()
         self.warmed_up = False
         self.num_compilations = 0

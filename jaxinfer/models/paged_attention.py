@@ -100,14 +100,8 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
         # anything, NaN included (in the values or the scales), and 0 * NaN is
         # NaN: zero them out of V after dequantizing.
         v = jnp.where(mask[:, :, None, None], v, 0)
-        new_max = jnp.maximum(running_max, scores.max(-1))
-        # Rows with nothing visible yet keep max -inf; shift by 0 there to avoid inf - inf.
-        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-        probs = jnp.exp(scores - safe_max[..., None])
-        correction = jnp.exp(jnp.where(jnp.isfinite(running_max), running_max - safe_max, -jnp.inf))
-        denom = denom * correction + probs.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum("tkgs,tskd->tkgd", probs, v)
-        return new_max, denom, acc
+        return online_softmax_update(running_max, denom, acc, scores,
+                                     lambda probs: jnp.einsum("tkgs,tskd->tkgd", probs, v))
 
     init = (
         jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
@@ -117,6 +111,20 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
     _, denom, acc = jax.lax.fori_loop(0, num_tiles, visit_tile, init)
     out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
     return out.reshape(num_tokens, num_heads, head_dim)
+
+
+def online_softmax_update(running_max, denom, acc, scores, weighted_values):
+    """One tile of online softmax: fold masked `scores` (-inf where hidden;
+    keys on the last axis) into the running max, denominator and accumulator;
+    weighted_values(probs) is probs times the tile's values. Rows with nothing
+    visible yet keep max -inf and are shifted by 0, avoiding inf - inf."""
+    new_max = jnp.maximum(running_max, scores.max(-1))
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    probs = jnp.exp(scores - safe_max[..., None])
+    correction = jnp.exp(jnp.where(jnp.isfinite(running_max), running_max - safe_max, -jnp.inf))
+    denom = denom * correction + probs.sum(-1)
+    acc = acc * correction[..., None] + weighted_values(probs)
+    return new_max, denom, acc
 
 
 def write_kv(kv_cache, layer_index, k, v, slot_mapping):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.kv_cache import is_quantized
-from jaxinfer.models.paged_attention import PagedAttentionMetadata, write_kv
+from jaxinfer.models.paged_attention import PagedAttentionMetadata, online_softmax_update, write_kv
 from jaxinfer.parallel.attention import shard_heads
 
 
@@ -67,13 +67,8 @@ def multi_query_attention_reference(q, k_pool, v_pool, layer_index, block_tables
         v = jnp.where(in_context[:, :, None, None], v, 0.0)
         scores = jnp.einsum("srkgd,stkd->srkgt", q, k)
         scores = jnp.where(mask[:, :, None, None, :], scores, -jnp.inf)
-        new_max = jnp.maximum(running_max, scores.max(-1))
-        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-        probs = jnp.exp(scores - safe_max[..., None])
-        correction = jnp.exp(jnp.where(jnp.isfinite(running_max), running_max - safe_max, -jnp.inf))
-        denom = denom * correction + probs.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum("srkgt,stkd->srkgd", probs, v)
-        return new_max, denom, acc
+        return online_softmax_update(running_max, denom, acc, scores,
+                                     lambda probs: jnp.einsum("srkgt,stkd->srkgd", probs, v))
 
     stats_shape = (num_seqs, rows, num_kv_heads, group)
     init = (

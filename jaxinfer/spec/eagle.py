@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
 from jaxinfer.spec.eagle_head import DEFAULT_HEAD, feature_logits, head_features, load_head
-from jaxinfer.utils import bucket_size
+from jaxinfer.utils import powers_of_two
 
 
 def _buffer_attention(write_index, limit, num_entries: int):
@@ -93,8 +93,7 @@ class EagleProposer:
         self.head, self.window = load_head(spec.model or DEFAULT_HEAD, target.config, target.dtype)
         self.num_compilations = 0
         self.device_time = 0.0
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if b < engine_config.max_num_seqs]
-        self.buckets.append(bucket_size(engine_config.max_num_seqs, 1))
+        self.buckets = powers_of_two(1, engine_config.max_num_seqs)  # the runner's decode buckets
         self._features: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (end position, [<= window, hidden])
         self._pending: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (first position, this step's rows)
         for num_seqs in tqdm(self.buckets, desc="compiling draft head", disable=not progress, leave=False):
