@@ -62,16 +62,14 @@ def init_head(config: ModelConfig, key, target_params: dict | None = None) -> di
     target's last layer (a head that already speaks the target's feature
     space trains much faster than one from scratch), and fc as [0; I], which
     passes the feature through."""
-    shapes = head_shapes(config)
-    keys = jax.random.split(key, len(shapes["layer"]))
-    layer = {}
-    for k, (name, shape) in zip(keys, shapes["layer"].items()):
-        if name.endswith("norm"):
-            layer[name] = jnp.ones(shape, jnp.float32)
-        else:
-            layer[name] = jax.random.normal(k, shape, jnp.float32) * shape[0] ** -0.5
     if target_params is not None:
         layer = {name: jnp.asarray(target_params["layers"][name][-1], jnp.float32) for name in _LAYER_KEYS}
+    else:
+        shapes = head_shapes(config)["layer"]
+        keys = jax.random.split(key, len(shapes))
+        layer = {name: jnp.ones(shape, jnp.float32) if name.endswith("norm")
+                 else jax.random.normal(k, shape, jnp.float32) * shape[0] ** -0.5
+                 for k, (name, shape) in zip(keys, shapes.items())}
     h = config.hidden_size
     fc = jnp.concatenate([jnp.zeros((h, h)), jnp.eye(h)], axis=0).astype(jnp.float32)
     return {"fc": fc, "layer": layer}
