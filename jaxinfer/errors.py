@@ -11,3 +11,7 @@ class UnsupportedModelError(CheckpointError):
 
 class DefaultModelNotInstalled(RuntimeError):
     """`load()` / `LLM()` without a model, but the embedded model's wheel is absent."""
+
+
+class RequestError(ValueError):
+    """A request was rejected; the message names the request and the problem."""

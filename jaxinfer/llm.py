@@ -6,7 +6,8 @@ import itertools
 
 from tqdm.auto import tqdm
 
-from jaxinfer.engine.engine import EngineConfig, LLMEngine
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.model import load
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -28,11 +29,11 @@ class LLM:
     attention_backend ("xla", "pallas", "pallas_interpret"; default pallas on GPU, xla elsewhere),
     kv_cache_dtype ("auto": the model's dtype; "int8" or "fp8": quantized K/V with a float32 scale
     per token and KV head, about 4x (float32 models) or 2x (bfloat16) the blocks for the same memory),
-    speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see spec/config.py).
+    speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see engine/spec/config.py).
 
     tensor_parallel_size N: shard the model over N devices (Megatron-style, parallel/sharding.py);
     data_parallel_size M: M engine replicas on disjoint groups of N devices, requests spread over
-    them by outstanding work (parallel/data_parallel.py). Both default to None: one device, no
+    them by outstanding work (engine/data_parallel.py). Both default to None: one device, no
     mesh at all; giving either (even 1) runs the sharded code path on a mesh.
     """
 
@@ -62,7 +63,7 @@ class LLM:
         if len(meshes) == 1:
             self.engine = LLMEngine(self.model, config, progress=progress)
         else:
-            from jaxinfer.parallel.data_parallel import DataParallelEngine
+            from jaxinfer.engine.data_parallel import DataParallelEngine
 
             models = [self.model] + [self.model.on_mesh(mesh) for mesh in meshes[1:]]
             self.engine = DataParallelEngine([LLMEngine(m, config, progress=progress) for m in models])

@@ -49,12 +49,6 @@ class RequestMetrics:
     num_output_tokens: int = 0
 
     @property
-    def time_in_queue(self) -> float | None:
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
-
-    @property
     def time_to_first_token(self) -> float | None:
         if self.first_token_time is None:
             return None

@@ -139,6 +139,11 @@ class SamplingParams:
         return out
 
     @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling needs this request's token history ([vocab] inputs per row)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         """True when decoding is argmax; top_k / top_p / min_p are then ignored."""
         return self.temperature == 0.0

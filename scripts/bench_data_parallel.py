@@ -5,7 +5,7 @@ steps, not seconds (so the CPU it runs on does not matter): a step of the data-p
 replica once (concurrently), so the number of steps until every request
 finishes is the makespan in units of one engine step, a hardware-independent
 measure of how well the assignment policy balances the replicas. Compares
-our policy (fewest outstanding steps, parallel/data_parallel.py) with
+our policy (fewest outstanding steps, engine/data_parallel.py) with
 fewest outstanding tokens, round-robin and fewest unfinished requests, on
 the same requests.
 
@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.parallel.data_parallel import DataParallelEngine, outstanding_tokens
+    from jaxinfer.engine.data_parallel import DataParallelEngine
 
     llm = LLM(args.model, progress=False, tensor_parallel_size=1, data_parallel_size=args.replicas,
               max_model_len=512, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
@@ -44,7 +44,7 @@ def main() -> None:
 
     policies = {
         "fewest outstanding steps (ours)": DataParallelEngine.choose_replica,
-        "fewest outstanding tokens": lambda self, *_: int(np.argmin([sum(outstanding_tokens(r))
+        "fewest outstanding tokens": lambda self, *_: int(np.argmin([sum(r.outstanding_tokens())
                                                                      for r in self.replicas])),
         "round-robin": lambda self, *_: counter.__setitem__("n", counter["n"] + 1) or counter["n"] % len(self.replicas),
         "fewest requests": lambda self, *_: int(np.argmin([len(r.requests) for r in self.replicas])),

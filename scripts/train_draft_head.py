@@ -1,4 +1,4 @@
-"""Train an EAGLE-style draft head (jaxinfer/spec/eagle_head.py) for a target
+"""Train an EAGLE-style draft head (jaxinfer/engine/spec/eagle_head.py) for a target
 model on text the target generates itself, with optax.
 
 1. Data: the target answers chat prompts and continues raw code/text starts
@@ -92,7 +92,7 @@ def target_features(params, config, tokens):
     """Pre-norm features [T, hidden] and the target's greedy next tokens [T]."""
     from jaxinfer.models.attention import full_sequence_attention
     from jaxinfer.models.llama import forward
-    from jaxinfer.spec.eagle_head import feature_logits
+    from jaxinfer.engine.spec.eagle_head import feature_logits
 
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
     features, _ = forward(params, config, tokens[None], positions, full_sequence_attention(positions),
@@ -130,7 +130,7 @@ def make_windows(model, data, window: int, stride: int):
 
 
 def losses(head, target_params, config, batch, feature_scale):
-    from jaxinfer.spec.eagle_head import feature_logits, head_features, window_attention
+    from jaxinfer.engine.spec.eagle_head import feature_logits, head_features, window_attention
 
     valid = batch["positions"] > 0
     attention = window_attention(valid)
@@ -180,7 +180,7 @@ def main():
     import optax
 
     from jaxinfer import LLM
-    from jaxinfer.spec.eagle_head import init_head, save_head
+    from jaxinfer.engine.spec.eagle_head import init_head, save_head
 
     start = time.perf_counter()
     rng = np.random.default_rng(args.seed)

@@ -4,7 +4,7 @@ interpret mode on CPU) as with the plain-jnp backend, on the default model."""
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.engine import EngineConfig
+from jaxinfer.engine.config import EngineConfig
 
 # Few buckets: every warm-up compilation traces the interpret-mode kernels.
 SMALL = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)

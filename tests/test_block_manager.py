@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxinfer.engine import block_manager as block_manager_module
 from jaxinfer.engine.block_manager import BlockManager
+from tests.block_manager_checks import check_invariants
 
 
 def run_prompt(bm: BlockManager, seq_id, token_ids) -> int:
@@ -43,7 +44,7 @@ def test_allocation_on_demand_and_free():
     bm.free("a")
     bm.free("a")  # unknown now: no-op, not a double free
     assert bm.num_free_blocks == 9 and bm.block_table("a") == []
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_prefix_hit_shares_block_ids_and_counts():
@@ -58,7 +59,7 @@ def test_prefix_hit_shares_block_ids_and_counts():
     # A different first block breaks the chain even though the second matches.
     assert bm.allocate_prefix("c", [7, 7, 7, 7] + prompt[4:]) == 0
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (30, 8)
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_hit_is_capped_so_one_token_is_left_to_compute():
@@ -70,7 +71,7 @@ def test_hit_is_capped_so_one_token_is_left_to_compute():
     assert bm.allocate_prefix("c", prompt + [5]) == 32
     assert bm.allocate_prefix("d", prompt[:16]) == 0
     assert bm.allocate_prefix("e", []) == 0
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_hit_on_cached_free_block_takes_it_out_of_the_free_pool():
@@ -80,7 +81,7 @@ def test_hit_on_cached_free_block_takes_it_out_of_the_free_pool():
     assert bm.num_free_blocks == 5 and bm.num_used_blocks == 0  # cached blocks still count as free
     assert bm.allocate_prefix("b", [1, 1, 2, 2, 4]) == 4
     assert bm.num_free_blocks == 3 and bm.num_used_blocks == 2
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_lru_evicts_least_recently_freed_first():
@@ -95,7 +96,7 @@ def test_lru_evicts_least_recently_freed_first():
     assert a_head in bm.block_table("c") and b_head not in bm.block_table("c")
     assert bm.allocate_prefix("b2", [2, 2, 0]) == 2
     assert bm.allocate_prefix("a2", [1, 1, 0]) == 0
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_rehit_block_leaves_the_lru():
@@ -110,7 +111,7 @@ def test_rehit_block_leaves_the_lru():
     assert bm.allocate_prefix("c", [3] * 6) == 0 and bm.allocate("c", 6)
     assert a_head not in bm.block_table("c") and bm.block_table("a2") == [a_head]
     assert bm.allocate_prefix("b2", [2, 2, 0]) == 0  # b's head was evicted instead
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_free_releases_tail_before_head():
@@ -122,7 +123,7 @@ def test_free_releases_tail_before_head():
     # must take a's second block so its first one still serves the prefix.
     assert bm.allocate_prefix("c", [3] * 6) == 0 and bm.allocate("c", 6)
     assert bm.allocate_prefix("a2", prompt) == 2
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_allocate_is_all_or_nothing():
@@ -135,44 +136,12 @@ def test_allocate_is_all_or_nothing():
     assert bm.num_blocks_needed("a", 10) == 4 > bm.num_free_blocks
     assert not bm.allocate("a", 10)
     assert (bm.block_table("a"), bm.num_free_blocks, bm.num_used_blocks) == before
-    bm.check_invariants()
+    check_invariants(bm)
     assert bm.allocate_prefix("b", [1, 1, 0]) == 2
     assert bm.allocate("a", 6)  # exactly what is left, evicting nothing held
     assert bm.num_free_blocks == 0 and not bm.allocate("a", 7)
     assert bm.block_table("b")[0] not in bm.block_table("a")
-    bm.check_invariants()
-
-
-def test_fork_shares_only_full_blocks():
-    bm = BlockManager(num_blocks=10, block_size=4)
-    prompt = list(range(7))
-    run_prompt(bm, "p", prompt)
-    parent = bm.block_table("p")
-    assert bm.fork("p", "c1", 7) == 4
-    assert bm.block_table("c1") == parent[:1]
-    assert bm.num_used_blocks == 2  # nothing new allocated
-    assert bm.allocate("c1", 7) and bm.block_table("c1")[1] not in parent
-    assert bm.fork("p", "c2", 3) == 0 and bm.block_table("c2") == []
-    with pytest.raises(ValueError):
-        bm.fork("p", "c1", 7)
-    bm.free("p")
-    assert bm.block_table("c1")[0] == parent[0] and bm.num_used_blocks == 2  # still held by c1
-    bm.check_invariants()
-    bm.free("c1")
-    bm.free("c2")
-    assert bm.num_used_blocks == 0
-    bm.check_invariants()
-
-
-def test_fork_child_registers_blocks_its_parent_did_not():
-    bm = BlockManager(num_blocks=10, block_size=2)
-    bm.allocate_prefix("p", [1, 2, 3, 4, 5])
-    assert bm.allocate("p", 5)
-    assert bm.fork("p", "c", 5) == 4
-    bm.cache_full_blocks("c", [1, 2, 3, 4, 9], 5)
-    bm.check_invariants()
-    assert bm.allocate_prefix("q", [1, 2, 3, 4, 5]) == 4
-    assert bm.block_table("q") == bm.block_table("p")[:2]
+    check_invariants(bm)
 
 
 def test_duplicate_blocks_keep_the_existing_cache_entry():
@@ -185,7 +154,7 @@ def test_duplicate_blocks_keep_the_existing_cache_entry():
     a_table = bm.block_table("a")
     bm.free("a")
     bm.free("b")
-    bm.check_invariants()
+    check_invariants(bm)
     assert bm.allocate_prefix("c", prompt) == 4 and bm.block_table("c") == a_table[:2]
 
 
@@ -204,23 +173,11 @@ def test_duplicate_takes_over_when_the_entry_is_evicted():
     b_head = bm.block_table("b")[0]
     bm.free("a")
     assert bm.allocate_prefix("c", [2] * 4) == 0 and bm.allocate("c", 4)  # evicts a's head
-    bm.check_invariants()
+    check_invariants(bm)
     assert bm.allocate_prefix("d", [1, 1, 0]) == 2 and bm.block_table("d") == [b_head]
     bm.free("d")
     bm.free("b")
-    bm.check_invariants()
-    bm.free("c")
-    bm.reset_prefix_cache()
-    assert bm.allocate_prefix("e", [1, 1, 0]) == 0
-
-
-def test_duplicate_takes_over_on_reset():
-    bm = BlockManager(num_blocks=8, block_size=2)
-    compute_same_block_twice(bm)
-    bm.free("a")
-    bm.reset_prefix_cache()
-    bm.check_invariants()
-    assert bm.allocate_prefix("c", [1, 1, 0]) == 2 and bm.block_table("c") == bm.block_table("b")[:1]
+    check_invariants(bm)
 
 
 def test_cache_full_blocks_only_registers_computed_full_blocks():
@@ -234,7 +191,7 @@ def test_cache_full_blocks_only_registers_computed_full_blocks():
     assert bm.allocate_prefix("c", prompt) == 8
     with pytest.raises(ValueError):
         bm.cache_full_blocks("a", prompt, 13)
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_prefix_caching_disabled_never_hits():
@@ -246,7 +203,7 @@ def test_prefix_caching_disabled_never_hits():
     bm.free("a")
     assert bm.allocate_prefix("c", prompt) == 0 and bm.block_table("c") == []
     assert bm.prefix_cache_queries == 0 and bm.prefix_cache_hits == 0
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_counters_count_tokens():
@@ -257,18 +214,6 @@ def test_counters_count_tokens():
     bm.allocate_prefix("d", [5] * 3)  # 3 queried, 0 hit
     assert bm.prefix_cache_queries == 27
     assert bm.prefix_cache_hits == 12
-
-
-def test_reset_prefix_cache_drops_only_unheld_blocks():
-    bm = BlockManager(num_blocks=10, block_size=2)
-    run_prompt(bm, "a", [1, 1, 0])
-    run_prompt(bm, "b", [2, 2, 0])
-    bm.free("a")
-    bm.reset_prefix_cache()
-    bm.check_invariants()
-    assert bm.num_free_blocks == 7
-    assert bm.allocate_prefix("a2", [1, 1, 0]) == 0
-    assert bm.allocate_prefix("b2", [2, 2, 0]) == 2
 
 
 def test_allocate_prefix_twice_raises():
@@ -288,7 +233,7 @@ def test_chain_collision_never_returns_another_prefix_blocks(monkeypatch):
     run_prompt(bm, "z", [2, 2, 5, 5, 0])
     assert bm.allocate_prefix("y", [2, 2, 3, 3, 0]) == 2
     assert bm.block_table("y") == bm.block_table("z")[:1]
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_token_collision_never_returns_other_tokens(monkeypatch):
@@ -297,7 +242,7 @@ def test_token_collision_never_returns_other_tokens(monkeypatch):
     run_prompt(bm, "x", [1, 1, 0])
     assert bm.allocate_prefix("y", [2, 2, 0]) == 0
     run_prompt(bm, "y2", [2, 2, 0])  # collides with x's entry: stays uncached, not a duplicate
-    bm.check_invariants()
+    check_invariants(bm)
     assert bm.allocate_prefix("x2", [1, 1, 0]) == 2 and bm.block_table("x2") == bm.block_table("x")[:1]
 
 
@@ -316,15 +261,15 @@ def test_trim_releases_blocks_past_the_kept_tokens():
     assert bm.trim("a", len(tokens)) == 2
     assert bm.block_table("a") == table[:3] and bm.num_used_blocks == 3
     assert bm.trim("a", len(tokens)) == 0  # idempotent
-    bm.check_invariants()
+    check_invariants(bm)
     assert bm.allocate_prefix("b", tokens[:8] + [5]) == 8  # the accepted blocks still hit
     # Trimming into a shared, registered block only drops this holder.
     assert bm.trim("a", 4) == 2 and bm.block_table("a") == table[:1]
-    bm.check_invariants()
+    check_invariants(bm)
     bm.free("b")
     bm.free("a")
     assert bm.num_used_blocks == 0
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_check_invariants_catches_corruption():
@@ -333,30 +278,30 @@ def test_check_invariants_catches_corruption():
         run_prompt(bm, "a", [1, 1, 2])
         run_prompt(bm, "b", [3, 3, 2])
         bm.free("b")
-        bm.check_invariants()
+        check_invariants(bm)
         return bm
 
     bm = fresh()
     bm._blocks[bm.block_table("a")[0]].ref_count += 1
     with pytest.raises(AssertionError):
-        bm.check_invariants()
+        check_invariants(bm)
     bm = fresh()
     bm._free.append(bm._free[0])
     with pytest.raises(AssertionError):
-        bm.check_invariants()
+        check_invariants(bm)
     bm = fresh()
     bm._tables["a"].append(BlockManager.NULL_BLOCK)
     with pytest.raises(AssertionError):
-        bm.check_invariants()
+        check_invariants(bm)
     bm = fresh()
     block_id = next(iter(bm._evictable))
     bm._blocks[block_id].token_ids = (9, 9)
     with pytest.raises(AssertionError):
-        bm.check_invariants()
+        check_invariants(bm)
     bm = fresh()
     bm._free.popleft()  # leaked
     with pytest.raises(AssertionError):
-        bm.check_invariants()
+        check_invariants(bm)
 
 
 # -- property test ------------------------------------------------------------
@@ -530,21 +475,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._admit(prompt, min_cached=expected if self.caching else 0)
 
     @precondition(lambda self: self.seqs)
-    @rule(index=st.integers(0, 99), num_tokens=st.integers(0, 99), extra=st.lists(st.integers(0, 3), max_size=4))
-    def fork(self, index, num_tokens, extra):
-        parent_id = self._pick(index)
-        parent = self.seqs[parent_id]
-        num_tokens %= parent.num_computed_tokens + 1
-        child_id, self.next_id = self.next_id, self.next_id + 1
-        free_before = self.bm.num_free_blocks
-        covered = self.bm.fork(parent_id, child_id, num_tokens)
-        assert covered == num_tokens // self.bs * self.bs
-        assert self.bm.block_table(child_id) == self.tables[parent_id][: covered // self.bs]
-        assert self.bm.num_free_blocks == free_before
-        self.seqs[child_id] = _Seq(parent.token_ids[:num_tokens] + extra, covered)
-        self.tables[child_id] = self.bm.block_table(child_id)
-
-    @precondition(lambda self: self.seqs)
     @rule(index=st.integers(0, 99))
     def free(self, index):
         self._free(self._pick(index))
@@ -563,22 +493,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq_id = self._pick(index)
         with pytest.raises(ValueError):
             self.bm.allocate_prefix(seq_id, [0])
-        with pytest.raises(ValueError):
-            self.bm.fork(seq_id, seq_id, 0)
         self.bm.free(-1)  # unknown: no-op
-
-    @rule()
-    def reset_prefix_cache(self):
-        free_before = self.bm.num_free_blocks
-        self.bm.reset_prefix_cache()
-        assert self.bm.num_free_blocks == free_before
 
     @invariant()
     def consistent(self):
         if not hasattr(self, "bm"):
             return
         bm = self.bm
-        bm.check_invariants()
+        check_invariants(bm)
         for seq_id, table in self.tables.items():
             assert bm.block_table(seq_id) == table
         held = {b for table in self.tables.values() for b in table}

@@ -1,5 +1,5 @@
 """The on-device sampler (jaxinfer.engine.sampler) against the float64 numpy
-reference in jaxinfer.sampling and independent float64 computations.
+reference in tests/reference_sampler.py and independent float64 computations.
 
 Every device call goes through jax.jit, as in the engine's step. Inputs are
 float32 and the reference gets the same float32 values widened to float64;
@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import sampling as ref
 from jaxinfer.engine.sampler import (
     SamplingMetadata,
     apply_penalties,
@@ -21,6 +20,7 @@ from jaxinfer.engine.sampler import (
     sampling_logits,
 )
 from jaxinfer.sampling_params import SamplingParams
+from tests import reference_sampler as ref
 
 SAMPLE = jax.jit(sample, static_argnames="num_logprobs")
 FILTERED = jax.jit(sampling_logits)

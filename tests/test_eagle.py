@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams, load
-from jaxinfer.spec.eagle_head import DEFAULT_HEAD, init_head, load_head, save_head
+from jaxinfer.engine.spec.eagle_head import DEFAULT_HEAD, init_head, load_head, save_head
 from tests.tiny_models import make_hf_model, save_hf_model
 
 PROMPTS = [

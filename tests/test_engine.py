@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.engine import RequestError
+from jaxinfer.errors import RequestError
 from tests.tiny_models import make_hf_model, save_hf_model
 
 SMALL_ENGINE = dict(max_model_len=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)

@@ -304,14 +304,14 @@ MIN_CONFIDENT_TOKENS = 8
 
 
 def test_unknown_kv_cache_dtype_is_rejected():
-    from jaxinfer.engine.engine import EngineConfig
+    from jaxinfer.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="float8", **ENGINE_OPTIONS)
 
 
 def test_quantized_cache_holds_more_blocks_in_the_same_budget(default_llm):
-    from jaxinfer.engine.engine import CPU_KV_CACHE_BYTES, EngineConfig, choose_num_blocks, kv_block_bytes
+    from jaxinfer.engine.config import CPU_KV_CACHE_BYTES, EngineConfig, choose_num_blocks, kv_block_bytes
 
     model = default_llm.model
     blocks = {}

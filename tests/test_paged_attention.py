@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from jaxinfer.models.llama import compute_logits, forward
-from jaxinfer.models.paged_attention import PagedAttentionMetadata, paged_attention_reference, paged_cache_attention
+from jaxinfer.models.paged_attention import (
+    PagedAttentionMetadata,
+    multi_query_attention_reference,
+    paged_attention_reference,
+    paged_cache_attention,
+    verification_attention,
+)
 
 
 def make_case(rng, num_seqs, block_size, num_kv_heads, group, head_dim, max_ctx_blocks):
@@ -141,3 +147,61 @@ def test_chunked_prefill_through_paged_cache_equals_full_forward(tmp_path, backe
     for s in range(2):
         expected = model.logits(seqs[s])
         np.testing.assert_allclose(np.stack(got[s]), expected, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_verification_attention_equals_paged_attention(sliding_window):
+    """The per-sequence multi-query attention of verification steps against
+    the general per-token paged attention, on the same flattened layout:
+    3 sequences (one padding) of R = 3 rows, float, int8 and fp8 pools."""
+    from jaxinfer.models.kv_cache import quantize_kv
+
+    rng = np.random.default_rng(3)
+    layers, blocks, bs, kvh, heads, dim, rows = 2, 12, 4, 2, 4, 8, 3
+    k_pool = rng.standard_normal((layers, blocks, bs, kvh, dim)).astype(np.float32)
+    v_pool = rng.standard_normal((layers, blocks, bs, kvh, dim)).astype(np.float32)
+    tables = np.array([[3, 5, 7, 0], [2, 9, 0, 0], [0, 0, 0, 0]], np.int32)
+    context_lens = np.array([14, 6, 0], np.int32)
+    positions = np.concatenate([c - rows + np.arange(rows) if c else np.zeros(rows, int) for c in context_lens])
+    q = rng.standard_normal((3 * rows, heads, dim)).astype(np.float32)
+    meta = PagedAttentionMetadata(np.zeros(3 * rows, np.int32), positions.astype(np.int32),
+                                  np.repeat(np.arange(3, dtype=np.int32), rows), tables, context_lens,
+                                  np.array([0, rows, 2 * rows, 2 * rows], np.int32))
+    cases = [((k_pool, v_pool), (None, None))]
+    for storage in (jnp.int8, jnp.uint8):  # uint8: fp8 e4m3 bits, as a CPU fp8 pool holds them
+        k_q, k_s = quantize_kv(jnp.asarray(k_pool), storage)
+        v_q, v_s = quantize_kv(jnp.asarray(v_pool), storage)
+        cases.append(((k_q, v_q), (k_s, v_s)))
+    for pools, scales in cases:
+        expected = paged_attention_reference(q, *pools, meta, sliding_window, layer_index=1, k_scales=scales[0],
+                                             v_scales=scales[1])
+        actual = multi_query_attention_reference(q.reshape(3, rows, heads, dim), *pools, 1, tables, context_lens,
+                                                 k_scales=scales[0], v_scales=scales[1],
+                                                 sliding_window=sliding_window, tile_blocks=2)
+        np.testing.assert_allclose(np.asarray(actual).reshape(3 * rows, heads, dim)[: 2 * rows],
+                                   np.asarray(expected)[: 2 * rows], rtol=1e-5, atol=1e-5)
+        assert not np.asarray(actual)[2].any()  # padding sequence: zeros
+
+
+def test_verification_attention_backends_agree():
+    """The model-facing function: K/V written to their slots, then the Pallas
+    multi-query decode kernel (interpret mode) agrees with the jnp path."""
+
+    rng = np.random.default_rng(4)
+    layers, blocks, bs, kvh, heads, dim, rows = 2, 12, 4, 2, 4, 32, 3
+    cache = tuple(jnp.asarray(rng.standard_normal((layers, blocks, bs, kvh, dim)), jnp.float32) for _ in range(2))
+    tables = np.array([[3, 5, 7, 0], [2, 9, 0, 0]], np.int32)
+    context_lens = np.array([14, 6], np.int32)
+    positions = np.concatenate([c - rows + np.arange(rows) for c in context_lens]).astype(np.int32)
+    seq = np.repeat(np.arange(2, dtype=np.int32), rows)
+    slots = (tables[seq, positions // bs] * bs + positions % bs).astype(np.int32)
+    meta = PagedAttentionMetadata(slots, positions, seq, tables, context_lens, np.array([0, 3, 6], np.int32))
+    q = jnp.asarray(rng.standard_normal((1, 2 * rows, heads, dim)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 2 * rows, kvh, dim)), jnp.float32)
+    outputs = {}
+    for backend in ("xla", "pallas_interpret"):
+        out, new_cache = verification_attention(meta, rows, None, backend)(q, k, 0.5 * k, cache, 1)
+        outputs[backend] = np.asarray(out)
+    np.testing.assert_allclose(outputs["pallas_interpret"], outputs["xla"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(new_cache[0])[1, tables[seq, positions // bs], positions % bs],
+                                  np.asarray(k)[0])

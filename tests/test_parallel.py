@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.parallel.data_parallel import DataParallelEngine, outstanding_steps, outstanding_tokens
+from jaxinfer.engine.data_parallel import DataParallelEngine, outstanding_steps
 from jaxinfer.parallel.distributed import distributed_args
 from jaxinfer.parallel.sharding import (
     expand_kv_heads,
@@ -207,12 +207,12 @@ def test_requests_go_to_the_replica_with_least_outstanding_steps():
     assert outstanding_steps(replicas[1]) == 4 / 64 + 10 / 4
     assert engine.add_request("c", [1] * 4, params(4)) == 1  # 2.5625 < 3
     assert engine.add_request("d", [1] * 4, params(4, n=2)) == 0  # 3 < 3.625; n counts per sequence
-    assert outstanding_tokens(replicas[0]) == (128 + 8, 4 + 8)
+    assert replicas[0].outstanding_tokens() == (128 + 8, 4 + 8)
     # Replica 0's first prompt is computed and 3 of its 4 tokens generated.
     seq = replicas[0].requests["a"].sequences[0]
     seq.output.token_ids = [0] * 3
     seq.num_computed_tokens = seq.num_tokens
-    assert outstanding_tokens(replicas[0]) == (8, 1 + 8)
+    assert replicas[0].outstanding_tokens() == (8, 1 + 8)
     assert engine.add_request("e", [1] * 3, params(2)) == 0  # 2.375 < 3.625
     assert engine.replica_of == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 0}
     with pytest.raises(ValueError, match="already in use"):

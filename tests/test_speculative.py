@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.engine import EngineConfig
+from jaxinfer.engine.config import EngineConfig
+from tests.block_manager_checks import check_invariants
 from tests.tiny_models import make_hf_model, save_hf_model
 
 # 23 usable blocks of 4 tokens for up to 8 sequences: preemption is frequent.
@@ -48,7 +49,7 @@ def eagle_head(tiny_dir, tmp_path_factory):
     import jax
 
     from jaxinfer import load
-    from jaxinfer.spec.eagle_head import init_head, save_head
+    from jaxinfer.engine.spec.eagle_head import init_head, save_head
 
     model = load(tiny_dir, progress=False)
     path = tmp_path_factory.mktemp("eagle") / "head.safetensors"
@@ -102,10 +103,7 @@ def spec_llm(name, tiny_dir, draft_dir, eagle_head=None):
 
 
 def expected_programs(llm) -> int:
-    proposer = llm.engine.proposer
-    runner = getattr(proposer, "runner", None)
-    eagle_buckets = getattr(proposer, "buckets", [])  # one drafting program per batch bucket
-    return len(llm.engine.runner.programs()) + (len(runner.programs()) if runner else 0) + len(eagle_buckets)
+    return len(llm.engine.runner.programs()) + len(llm.engine.proposer.programs())
 
 
 def record_proposals(llm) -> list:
@@ -149,7 +147,7 @@ def check_eagle_drafts(llm, calls) -> None:
 
     from jaxinfer.models.attention import full_sequence_attention
     from jaxinfer.models.llama import forward
-    from jaxinfer.spec.eagle_head import feature_logits, head_features, window_attention
+    from jaxinfer.engine.spec.eagle_head import feature_logits, head_features, window_attention
 
     proposer = llm.engine.proposer
     model, config = llm.model, llm.model.config
@@ -185,8 +183,9 @@ def check_eagle_drafts(llm, calls) -> None:
 
 
 def check_blocks_after_each_step(llm) -> None:
-    """After every step no running sequence holds blocks past its tokens (the
-    rejected drafts' blocks were trimmed), in the target's and the draft's cache."""
+    """After every step no running sequence holds blocks past its tokens and
+    the drafts it will verify next (the rejected drafts' blocks were trimmed),
+    in the target's and the draft's cache."""
     engine = llm.engine
     step = engine.step
     managers = [engine.block_manager] + [getattr(engine.proposer, "block_manager", None)]
@@ -194,9 +193,10 @@ def check_blocks_after_each_step(llm) -> None:
     def checked_step():
         outputs = step()
         for bm in filter(None, managers):
-            bm.check_invariants()
+            check_invariants(bm)
             for seq in engine.scheduler.running:
-                assert len(bm.block_table(seq.seq_id)) <= -(-seq.num_tokens // bm.block_size)
+                pending = seq.num_tokens + len(seq.draft_token_ids)
+                assert len(bm.block_table(seq.seq_id)) <= -(-pending // bm.block_size)
         return outputs
 
     engine.step = checked_step
@@ -219,7 +219,7 @@ def test_greedy_equals_plain_decoding(name, tiny_dir, draft_dir, eagle_head, wor
     assert stats["spec_proposed_tokens"] > 0 and stats["spec_verifications"] > 0
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["kv_blocks_used"] == 0
-    llm.engine.block_manager.check_invariants()
+    check_invariants(llm.engine.block_manager)
     if name == "ngram":
         assert stats["spec_accepted_tokens"] > 0
     elif name == "eagle":
@@ -227,7 +227,7 @@ def test_greedy_equals_plain_decoding(name, tiny_dir, draft_dir, eagle_head, wor
     else:
         draft_blocks = llm.engine.proposer.block_manager
         assert draft_blocks.num_used_blocks == 0  # freed on finish and on preemption
-        draft_blocks.check_invariants()
+        check_invariants(draft_blocks)
     if name == "draft_is_target":
         assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"]
     if name == "other_draft":
@@ -280,7 +280,7 @@ def test_mixed_batch(name, plain, tiny_dir, draft_dir, eagle_head):
     assert stats["kv_blocks_used"] == 0
     # Every request's tokens equal plain decoding's: greedy and seeded sampled
     # ones too, because verification draws the target's own token with the
-    # plain sampler's key (spec/acceptance.py) whatever was drafted.
+    # plain sampler's key (engine/verify.py) whatever was drafted.
     everything = plain.generate(list(prompts), list(params), use_tqdm=False)
     for out, ref in zip(outputs, everything):
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
@@ -323,66 +323,3 @@ def test_throughput_benchmark_reports_acceptance(tiny_dir, draft_dir):
 def test_bad_speculative_config(speculative, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(max_model_len=64, speculative=speculative)
-
-
-@pytest.mark.parametrize("sliding_window", [None, 5])
-def test_verification_attention_equals_paged_attention(sliding_window):
-    """The per-sequence multi-query attention of verification steps against
-    the general per-token paged attention, on the same flattened layout:
-    3 sequences (one padding) of R = 3 rows, int8 and float pools."""
-    import jax.numpy as jnp
-
-    from jaxinfer.models.kv_cache import quantize_kv
-    from jaxinfer.models.paged_attention import PagedAttentionMetadata, paged_attention_reference
-    from jaxinfer.spec.attention import multi_query_attention_reference
-
-    rng = np.random.default_rng(3)
-    layers, blocks, bs, kvh, heads, dim, rows = 2, 12, 4, 2, 4, 8, 3
-    k_pool = rng.standard_normal((layers, blocks, bs, kvh, dim)).astype(np.float32)
-    v_pool = rng.standard_normal((layers, blocks, bs, kvh, dim)).astype(np.float32)
-    tables = np.array([[3, 5, 7, 0], [2, 9, 0, 0], [0, 0, 0, 0]], np.int32)
-    context_lens = np.array([14, 6, 0], np.int32)
-    positions = np.concatenate([c - rows + np.arange(rows) if c else np.zeros(rows, int) for c in context_lens])
-    q = rng.standard_normal((3 * rows, heads, dim)).astype(np.float32)
-    meta = PagedAttentionMetadata(np.zeros(3 * rows, np.int32), positions.astype(np.int32),
-                                  np.repeat(np.arange(3, dtype=np.int32), rows), tables, context_lens,
-                                  np.array([0, rows, 2 * rows, 2 * rows], np.int32))
-    k_q, k_s = quantize_kv(jnp.asarray(k_pool), jnp.int8)
-    v_q, v_s = quantize_kv(jnp.asarray(v_pool), jnp.int8)
-    for pools, scales in [((k_pool, v_pool), (None, None)), ((k_q, v_q), (k_s, v_s))]:
-        expected = paged_attention_reference(q, *pools, meta, sliding_window, layer_index=1, k_scales=scales[0],
-                                             v_scales=scales[1])
-        actual = multi_query_attention_reference(q.reshape(3, rows, heads, dim), *pools, 1, tables, context_lens,
-                                                 k_scales=scales[0], v_scales=scales[1],
-                                                 sliding_window=sliding_window, tile_blocks=2)
-        np.testing.assert_allclose(np.asarray(actual).reshape(3 * rows, heads, dim)[: 2 * rows],
-                                   np.asarray(expected)[: 2 * rows], rtol=1e-5, atol=1e-5)
-        assert not np.asarray(actual)[2].any()  # padding sequence: zeros
-
-
-def test_verification_attention_backends_agree():
-    """The model-facing function: K/V written to their slots, then the Pallas
-    multi-query decode kernel (interpret mode) agrees with the jnp path."""
-    import jax.numpy as jnp
-
-    from jaxinfer.models.paged_attention import PagedAttentionMetadata
-    from jaxinfer.spec.attention import verification_attention
-
-    rng = np.random.default_rng(4)
-    layers, blocks, bs, kvh, heads, dim, rows = 2, 12, 4, 2, 4, 32, 3
-    cache = tuple(jnp.asarray(rng.standard_normal((layers, blocks, bs, kvh, dim)), jnp.float32) for _ in range(2))
-    tables = np.array([[3, 5, 7, 0], [2, 9, 0, 0]], np.int32)
-    context_lens = np.array([14, 6], np.int32)
-    positions = np.concatenate([c - rows + np.arange(rows) for c in context_lens]).astype(np.int32)
-    seq = np.repeat(np.arange(2, dtype=np.int32), rows)
-    slots = (tables[seq, positions // bs] * bs + positions % bs).astype(np.int32)
-    meta = PagedAttentionMetadata(slots, positions, seq, tables, context_lens, np.array([0, 3, 6], np.int32))
-    q = jnp.asarray(rng.standard_normal((1, 2 * rows, heads, dim)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((1, 2 * rows, kvh, dim)), jnp.float32)
-    outputs = {}
-    for backend in ("xla", "pallas_interpret"):
-        out, new_cache = verification_attention(meta, rows, None, backend)(q, k, 0.5 * k, cache, 1)
-        outputs[backend] = np.asarray(out)
-    np.testing.assert_allclose(outputs["pallas_interpret"], outputs["xla"], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(new_cache[0])[1, tables[seq, positions // bs], positions % bs],
-                                  np.asarray(k)[0])

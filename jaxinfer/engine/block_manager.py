@@ -25,14 +25,15 @@ any more is plain free: the entry already serves its contents.
 
 Every block is in exactly one of three places: the free list (ref count 0, no
 hash), the evictable LRU (ref count 0, the cache entry for its hash) or in use
-(ref count > 0; the entry, a duplicate, or not cached).
+(ref count > 0; the entry, a duplicate, or not cached). tests/block_manager_checks.py
+asserts these invariants.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
 
@@ -207,8 +208,6 @@ class BlockManager:
             block_hash, existing = self._lookup(parent_hash, block_token_ids)
             hashes.append(block_hash)
             block = self._blocks[table[i]]
-            if block.block_hash is not None:  # shared by fork and registered by its other holder
-                continue
             if existing is not None:
                 # The existing entry stays, so hits keep landing on one copy.
                 self._duplicates.setdefault(block_hash, []).append(table[i])
@@ -217,20 +216,6 @@ class BlockManager:
             else:
                 self._cached[block_hash] = table[i]
             block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, block_token_ids
-
-    def fork(self, parent_id, child_id, num_tokens: int) -> int:
-        """Share the parent's full blocks covering the first num_tokens tokens
-        with a new child sequence; returns the number of tokens covered. Call
-        it once the parent has computed those tokens."""
-        if child_id in self._tables:
-            raise ValueError(f"sequence {child_id!r} already has a block table")
-        parent_table = self._tables[parent_id]
-        shared = parent_table[: min(num_tokens // self.block_size, len(parent_table))]
-        for block_id in shared:
-            self._blocks[block_id].ref_count += 1
-        self._tables[child_id] = list(shared)
-        self._seq_hashes[child_id] = self._seq_hashes[parent_id][: len(shared)]
-        return len(shared) * self.block_size
 
     def free(self, seq_id) -> None:
         table = self._tables.pop(seq_id, None)
@@ -278,52 +263,3 @@ class BlockManager:
                 del self._duplicates[block.block_hash]
             block.forget()
         self._free.append(block_id)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block nobody holds; blocks in use stay cached."""
-        for block_id in self._evictable:
-            self._drop_entry(block_id)
-            self._free.append(block_id)
-        self._evictable.clear()
-
-    def check_invariants(self) -> None:
-        holders: Counter[int] = Counter()
-        for seq_id, table in self._tables.items():
-            assert len(set(table)) == len(table), f"sequence {seq_id!r} holds a block twice: {table}"
-            assert len(self._seq_hashes[seq_id]) <= len(table), f"sequence {seq_id!r} has hashes past its table"
-            holders.update(table)
-        assert self._tables.keys() == self._seq_hashes.keys()
-        free, evictable = set(self._free), set(self._evictable)
-        assert len(free) == len(self._free), "a block is on the free list twice"
-        assert not free & evictable, f"blocks both free and evictable: {free & evictable}"
-        assert self.NULL_BLOCK not in free | evictable | holders.keys(), "the null block was handed out"
-        assert self.NULL_BLOCK not in self._cached.values(), "the null block is cached"
-        for block_id in range(1, self.num_blocks):
-            block = self._blocks[block_id]
-            assert block.ref_count == holders[block_id], (
-                f"block {block_id}: ref count {block.ref_count}, held by {holders[block_id]} tables"
-            )
-            if block_id in free:
-                assert block.ref_count == 0 and block.block_hash is None, f"free block {block_id} is used or cached"
-            elif block_id in evictable:
-                assert block.ref_count == 0 and block.block_hash is not None, f"evictable block {block_id} is wrong"
-            else:
-                assert block.ref_count > 0, f"block {block_id} is neither free, evictable nor used"
-            if block.block_hash is not None and self._cached.get(block.block_hash) != block_id:
-                assert block_id in self._duplicates.get(block.block_hash, ()), f"block {block_id}: stray hash"
-                assert block.ref_count > 0, f"duplicate block {block_id} is not held"
-        used = sum(1 for b in self._blocks[1:] if b.ref_count > 0)
-        assert len(free) + len(evictable) + used == self.num_usable_blocks, "blocks leaked"
-        for block_hash, block_id in self._cached.items():
-            block = self._blocks[block_id]
-            assert block.block_hash == block_hash, f"cache entry points at block {block_id} with another hash"
-            assert _chain_hash(block.parent_hash, block.token_ids) == block_hash, (
-                f"block {block_id}'s stored tokens do not match its hash"
-            )
-            for duplicate_id in self._duplicates.get(block_hash, ()):
-                duplicate = self._blocks[duplicate_id]
-                assert duplicate.block_hash == block_hash and duplicate_id != block_id
-                assert (duplicate.parent_hash, duplicate.token_ids) == (block.parent_hash, block.token_ids)
-        assert self._duplicates.keys() <= self._cached.keys(), "a duplicate outlived its entry"
-        duplicate_ids = [b for duplicates in self._duplicates.values() for b in duplicates]
-        assert all(self._duplicates.values()) and len(set(duplicate_ids)) == len(duplicate_ids)

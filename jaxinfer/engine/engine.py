@@ -1,144 +1,37 @@
-"""LLMEngine: add_request / step / abort over scheduler, block manager and runner.
+"""LLMEngine: add_request / step / abort over the scheduler, runner and output processor.
 
-One step is: Scheduler.schedule() (host) -> ModelRunner.prepare()+run() (one jitted
-device call) -> _process() (host: append sampled tokens, detokenize, check
-stops, free finished sequences). With `speculative=` set, a pure-decode step
-first asks the proposer (spec/) for drafts, and the target verifies them in
-one call (prepare_spec + run_spec) -> _process_spec() (see _propose). Bad requests are rejected at add_request
-with an error naming the problem; the engine keeps serving the others.
+One step, speculative or not, is one path:
+
+    Scheduler.schedule()     host: who runs, with how many tokens (drafts included)
+    ModelRunner.run()        device: forward, then sampling or draft verification
+    OutputProcessor.process  host: append emitted tokens, check stops, free finished
+    proposer.after_step()    host/device: drafts for the next step (engine/spec/)
+
+Bad requests are rejected at add_request with a RequestError naming the
+problem; the engine keeps serving the others.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
-from dataclasses import dataclass
 
-import jax
 import numpy as np
 
 from jaxinfer.engine.block_manager import BlockManager
-from jaxinfer.engine.request import Sequence
+from jaxinfer.engine.config import EngineConfig, choose_num_blocks, kv_block_bytes
+from jaxinfer.engine.output_processor import OutputProcessor
+from jaxinfer.engine.request import RequestState
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.spec.proposer import build_proposer
+from jaxinfer.errors import RequestError
 from jaxinfer.model import Model
 from jaxinfer.models import kv_cache
-from jaxinfer.models.paged_attention import ATTENTION_BACKENDS
-from jaxinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.spec.config import SpeculativeConfig
-from jaxinfer.spec.proposer import build_proposer, max_drafts
 
-log = logging.getLogger(__name__)
-
-CPU_KV_CACHE_BYTES = 512 * 2**20  # default pool size without a GPU to measure
-
-
-# (max_num_seqs, max_num_batched_tokens). Every (tokens, seqs) bucket pair is
-# compiled at start-up, so CPU keeps the grid small (20 programs); a GPU
-# needs wide batches to fill it.
-_PLATFORM_DEFAULTS = {"cpu": (16, 256), "gpu": (128, 2048)}
-
-
-class RequestError(ValueError):
-    """A request was rejected; the message names the request and the problem."""
-
-
-@dataclass
-class EngineConfig:
-    max_model_len: int
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_fraction: float = 0.9
-    # None: chosen by platform (see _PLATFORM_DEFAULTS).
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "continuous"
-    # None: "pallas" on GPU, "xla" elsewhere (see models/paged_attention.py).
-    attention_backend: str | None = None
-    # "auto" (the model's dtype), "int8" or "fp8" (see models/kv_cache.py).
-    kv_cache_dtype: str = "auto"
-    # None, or {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
-    # (see spec/config.py); parsed into a SpeculativeConfig.
-    speculative: dict | SpeculativeConfig | None = None
-
-    def __post_init__(self):
-        platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
-        seqs, tokens = _PLATFORM_DEFAULTS[platform]
-        self.max_num_seqs = self.max_num_seqs or seqs
-        self.max_num_batched_tokens = self.max_num_batched_tokens or tokens
-        self.attention_backend = self.attention_backend or ("pallas" if platform == "gpu" else "xla")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        kv_cache.check_kv_cache_dtype(self.kv_cache_dtype)
-        self.speculative = SpeculativeConfig.parse(self.speculative)
-        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
-            )
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
-            raise ValueError(f"num_kv_blocks must be an int >= 2 (block 0 is reserved), got {self.num_kv_blocks!r}")
-        if not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-
-
-@dataclass
-class _RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[Sequence]
-    metrics: RequestMetrics
-
-    def output(self) -> RequestOutput:
-        cached = max(0, min(s.num_cached_tokens for s in self.sequences))
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.output for s in self.sequences],
-            finished=all(s.is_finished for s in self.sequences),
-            num_cached_tokens=cached,
-            metrics=self.metrics,
-        )
-
-
-def kv_block_bytes(model: Model, block_size: int, kv_cache_dtype: str = "auto") -> int:
-    return kv_cache.kv_block_bytes(model.config, block_size, model.dtype, kv_cache_dtype)
-
-
-def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int = 0) -> int:
-    """extra_block_bytes: memory per block of another pool with as many blocks
-    (a draft model's), which shares the budget."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    per_block = kv_block_bytes(model, config.block_size, config.kv_cache_dtype) + extra_block_bytes
-    if model.mesh is not None:  # the pool is split on KV heads: each device holds 1 / N of every block
-        per_block = -(-per_block // model.mesh.size)
-    devices = [jax.devices()[0]] if model.mesh is None else [
-        d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
-    stats = [d.memory_stats() if d.platform == "gpu" else None for d in devices]
-    if all(s and "bytes_limit" in s for s in stats):
-        # The fullest device of the mesh decides: every device holds a slice of every block.
-        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-        budget = int(free * config.kv_cache_memory_fraction)
-    else:
-        # CPU: no device memory to measure; enough for every sequence at full length, capped.
-        full = config.max_num_seqs * -(-config.max_model_len // config.block_size) * per_block
-        budget = min(full, CPU_KV_CACHE_BYTES)
-    num_blocks = max(2, budget // per_block + 1)
-    if jax.process_count() > 1:
-        # Lockstep hosts must build the same pool (same shapes, same programs): the smallest wins.
-        from jax.experimental import multihost_utils
-
-        num_blocks = int(np.min(multihost_utils.process_allgather(np.int64(num_blocks))))
-    return num_blocks
 
 
 class LLMEngine:
@@ -149,33 +42,28 @@ class LLMEngine:
         spec = config.speculative
         draft = None
         if spec is not None and spec.method == "draft_model":
-            from jaxinfer.spec.draft_model import load_draft_model
+            from jaxinfer.engine.spec.draft_model import load_draft_model
 
             draft = load_draft_model(spec, model, progress)  # before sizing the pools: it takes memory
         extra = kv_block_bytes(draft, config.block_size, config.kv_cache_dtype) if draft is not None else 0
         num_blocks = choose_num_blocks(model, config, extra)
-        c = model.config
-        cache = kv_cache.allocate_kv_cache(c, num_blocks, config.block_size, model.dtype, config.kv_cache_dtype,
-                                           mesh=model.mesh)
+        cache = kv_cache.allocate_kv_cache(model.config, num_blocks, config.block_size, model.dtype,
+                                           config.kv_cache_dtype, mesh=model.mesh)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
         )
         self.runner = ModelRunner(
-            c, model.params, cache, config.block_size, config.max_model_len,
-            config.max_num_seqs, config.max_num_batched_tokens, config.attention_backend,
-            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-            with_features=spec is not None and spec.method == "eagle", mesh=model.mesh,
+            model.config, model.params, cache, config.block_size, config.max_model_len, config.max_num_seqs,
+            config.max_num_batched_tokens, config.attention_backend, config.num_speculative_tokens, mesh=model.mesh,
         )
         self.runner.warmup(progress)
+        self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.tokenizer,
+                                                config.max_model_len)
         # The draft model's pool has as many blocks as the target's.
-        self.proposer = build_proposer(spec, draft or model, config, num_blocks, progress) if spec is not None else None
-        if self.proposer is not None:
-            self.scheduler.on_release = self.proposer.release
-        self.spec_proposed_tokens = 0
-        self.spec_accepted_tokens = 0
-        self.spec_verifications = 0  # (sequence, step) pairs that verified at least one draft
-        self.requests: dict[str, _RequestState] = {}
+        self.proposer = build_proposer(spec, draft or model, config, num_blocks, progress)
+        self.scheduler.on_release = self.proposer.release
+        self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         from jaxinfer.parallel.distributed import engine_seed
@@ -240,7 +128,7 @@ class LLMEngine:
                 seq.output.cumulative_logprob = 0.0
             sequences.append(seq)
             self.scheduler.add(seq)
-        self.requests[request_id] = _RequestState(request_id, prompt, prompt_token_ids, sequences, metrics)
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, sequences, metrics)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.requests.pop(request_id, None)
@@ -261,160 +149,36 @@ class LLMEngine:
         """Run one scheduling step; returns the requests that made progress
         (finished ones for the last time, then forgotten)."""
         start = time.perf_counter()
+        device_before = self.runner.device_time + self.proposer.device_time
         batch = self.scheduler.schedule()
         if not batch.sequences:
             return []
         now = time.perf_counter()
         for seq in batch.sequences:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        proposer_device = self.proposer.device_time if self.proposer is not None else 0.0
-        drafts = self._propose(batch)
         tables = [self.block_manager.block_table(s.seq_id) for s in batch.sequences]
-        if drafts is None:
-            inputs, with_penalties = self.runner.prepare(batch, tables)
-        else:
-            inputs, with_penalties = self.runner.prepare_spec(batch, tables, drafts)
-        device_start = time.perf_counter()
-        run = self.runner.run if drafts is None else self.runner.run_spec
-        out = jax.tree.map(np.asarray, run(inputs, with_penalties))
-        device_end = time.perf_counter()
-        if self.runner.with_features:  # an EAGLE proposer drafts from the target's features
-            self.proposer.observe(batch, np.asarray(self.runner.last_features), drafts)
-        touched = self._process(batch, out) if drafts is None else self._process_spec(batch, drafts, out)
-        if self.proposer is not None:
-            for seq in batch.sequences:
-                if not seq.is_finished:  # finished ones were released
-                    self.proposer.sync(seq)
-            proposer_device = self.proposer.device_time - proposer_device
-        end = time.perf_counter()
-        device = device_end - device_start + proposer_device
+        out = self.runner.run(batch, tables)
+        outputs = self.output_processor.process(batch, out, self.requests)
+        self.proposer.after_step(batch, out)
+        device = self.runner.device_time + self.proposer.device_time - device_before
         self.device_time += device
-        self.host_time += end - start - device
-        return touched
+        self.host_time += time.perf_counter() - start - device
+        return outputs
 
-    def _propose(self, batch) -> list[list[int]] | None:
-        """Drafts per sequence for a verification step, or None for a plain step.
-
-        Only a pure-decode step speculates (every sequence owes just its last
-        token): a step with a prompt chunk runs without drafts, as do requests
-        with penalties or logprobs (spec/proposer.py: max_drafts), and a
-        sequence the proposer has nothing for decodes one token in the same
-        verification batch. Draft slots are allocated here; a sequence that
-        cannot get them verifies no drafts (drafts never preempt anyone).
-        A verification step holds n * (1 + K) rows for a decode bucket of n
-        sequences, which may exceed max_num_batched_tokens: the budget
-        bounds the scheduled tokens, and drafts ride on top of it.
-        """
-        if self.proposer is None or any(
-            n != 1 or s.num_computed_tokens != s.num_tokens - 1 for s, n in zip(batch.sequences, batch.num_new_tokens)
-        ):
-            return None
-        k = self.config.speculative.num_speculative_tokens
-        caps = [max_drafts(s, k, self.config.max_model_len) for s in batch.sequences]
-        if not any(caps):
-            return None
-        drafts = self.proposer.propose(batch.sequences, caps)
-        for seq, draft in zip(batch.sequences, drafts):
-            if draft and not self.block_manager.allocate(seq.seq_id, seq.num_tokens + len(draft)):
-                draft.clear()
-        return drafts if any(drafts) else None
-
-    def _process(self, batch, out) -> list[RequestOutput]:
-        now = time.perf_counter()
-        touched: dict[str, _RequestState] = {}
-        for i, (seq, num_new) in enumerate(zip(batch.sequences, batch.num_new_tokens)):
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids(), seq.num_computed_tokens)
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prompt chunk that did not reach the end: nothing sampled
-            self._append_token(seq, int(out.token_ids[i]), out, i, now)
-            touched[seq.request_id] = self.requests[seq.request_id]
-            if seq.output.finish_reason is not None:
-                self.scheduler.finish(seq)
-        return self._outputs(touched, now)
-
-    def _process_spec(self, batch, drafts, out) -> list[RequestOutput]:
-        """A verification step's outputs: each sequence emits its accepted
-        drafts and the target's token, one at a time through the usual checks,
-        stopping at the first stop (EOS, stop id or string, max_tokens).
-
-        The cache then holds valid K/V for the last token and the accepted
-        drafts: num_computed_tokens advances by 1 + accepted and only those
-        tokens' full blocks are registered in the prefix cache. The rejected
-        drafts' slots are simply rewritten by later steps (nothing reads a
-        slot past a sequence's computed tokens before it is rewritten); the
-        blocks past the sequence's length are trimmed."""
-        now = time.perf_counter()
-        touched: dict[str, _RequestState] = {}
-        for i, (seq, draft) in enumerate(zip(batch.sequences, drafts)):
-            num_emitted = int(out.num_emitted[i])
-            if draft:
-                self.spec_proposed_tokens += len(draft)
-                self.spec_accepted_tokens += num_emitted - 1
-                self.spec_verifications += 1
-            first = seq.num_computed_tokens
-            for j in range(num_emitted):
-                self._append_token(seq, int(out.token_ids[i, j]), out, i, now)
-                seq.num_computed_tokens = first + j + 1
-                if seq.output.finish_reason is not None:
-                    break
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids(), seq.num_computed_tokens)
-            self.block_manager.trim(seq.seq_id, seq.num_tokens)
-            touched[seq.request_id] = self.requests[seq.request_id]
-            if seq.output.finish_reason is not None:
-                self.scheduler.finish(seq)
-        return self._outputs(touched, now)
-
-    def _outputs(self, touched: dict, now: float) -> list[RequestOutput]:
-        results = []
-        for state in touched.values():
-            output = state.output()
-            if output.finished:
-                state.metrics.finished_time = now
-                del self.requests[state.request_id]
-            results.append(output)
-        return results
-
-    def _append_token(self, seq: Sequence, token: int, out, row: int, now: float) -> None:
-        """Append one token and check the stops; out[row] holds its logprobs
-        (only read for requests with logprobs, which never have drafts)."""
-        params, completion = seq.params, seq.output
-        completion.token_ids.append(token)
-        seq.metrics.first_token_time = seq.metrics.first_token_time or now
-        seq.metrics.last_token_time = now
-        seq.metrics.num_output_tokens += 1
-        if params.logprobs is not None:
-            entry = {token: Logprob(float(out.logprobs[row, 0]), int(out.sampled_rank[row]))}
-            for rank in range(params.logprobs):
-                token_id = int(out.logprob_token_ids[row, 1 + rank])
-                entry.setdefault(token_id, Logprob(float(out.logprobs[row, 1 + rank]), rank + 1))
-            for token_id, lp in entry.items():
-                lp.decoded_token = self.tokenizer.decode([token_id]) if self.tokenizer else None
-            completion.logprobs.append(entry)
-            completion.cumulative_logprob += entry[token].logprob
-        if token in (params.stop_token_ids or ()) or token in seq.eos_token_ids:
-            completion.finish_reason = "stop"
-            completion.stop_reason = token if token in (params.stop_token_ids or ()) else None
-        if seq.detokenizer is not None:
-            completion.text += seq.detokenizer.add([token])
-            if completion.finish_reason is None:
-                _cut_at_stop_string(completion, params.stop)
-        if completion.finish_reason is None and (
-            len(completion.token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len
-        ):
-            completion.finish_reason = "length"
-        if completion.finish_reason is not None and seq.detokenizer is not None and not isinstance(
-            completion.stop_reason, str
-        ):
-            completion.text += seq.detokenizer.flush()  # bytes held back for a character that never completed
-            _cut_at_stop_string(completion, params.stop)
+    def outstanding_tokens(self) -> tuple[int, int]:
+        """(prompt tokens not yet computed, tokens still to generate) over
+        unfinished requests: what a data-parallel front end balances on."""
+        prompt = generate = 0
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            prompt += max(0, len(seq.prompt_token_ids) - seq.num_computed_tokens)
+            generate += seq.params.max_tokens - len(seq.output_token_ids)
+        return prompt, generate
 
     # -- introspection -------------------------------------------------------
     def stats(self) -> dict:
-        bm = self.block_manager
-        proposer = self.proposer
+        bm, processed = self.block_manager, self.output_processor
         return {
-            "num_compilations": self.runner.num_compilations + (proposer.num_compilations if proposer else 0),
+            "num_compilations": self.runner.num_compilations + self.proposer.num_compilations,
             "kv_blocks_total": bm.num_usable_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "prefix_cache_hits": bm.prefix_cache_hits,
@@ -424,19 +188,7 @@ class LLMEngine:
             "device_time_s": self.device_time,
             # Speculative decoding (0 without): drafts verified, drafts accepted,
             # and (sequence, step) verifications with at least one draft.
-            "spec_proposed_tokens": self.spec_proposed_tokens,
-            "spec_accepted_tokens": self.spec_accepted_tokens,
-            "spec_verifications": self.spec_verifications,
+            "spec_proposed_tokens": processed.num_draft_tokens,
+            "spec_accepted_tokens": processed.num_accepted_tokens,
+            "spec_verifications": processed.num_verifications,
         }
-
-
-def _cut_at_stop_string(completion: CompletionOutput, stop) -> bool:
-    """End the completion at the first stop string in its text; the stop
-    string itself is not returned (vLLM's default)."""
-    hits = [(completion.text.find(s), s) for s in stop or () if s in completion.text]
-    if not hits:
-        return False
-    position, string = min(hits)
-    completion.text = completion.text[:position]
-    completion.finish_reason, completion.stop_reason = "stop", string
-    return True

@@ -1,60 +1,34 @@
-"""One sequence being generated: its tokens, progress and outcome.
-
-`num_computed_tokens` counts tokens whose K/V are in the cache; the scheduler
-gives each running sequence `num_tokens - num_computed_tokens` more per step
-(a prompt chunk, or the one token sampled last step), within the budget.
-That single rule covers prefill, chunked prefill, decode, prefix-cache hits
-(which start num_computed_tokens above 0) and recompute after preemption
-(which resets it to 0). A request with n > 1 becomes n sequences.
-"""
+"""One request as the engine tracks it: its prompt and its n sequences, and
+the RequestOutput a caller sees."""
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from jaxinfer.outputs import CompletionOutput, RequestMetrics
-from jaxinfer.sampling_params import SamplingParams
-
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.outputs import RequestMetrics, RequestOutput
 
 
-@dataclass(eq=False)
-class Sequence:
-    seq_id: int
+@dataclass
+class RequestState:
     request_id: str
-    index: int  # which of the request's n completions
+    prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int
-    arrival_order: int  # preemption picks the newest (largest) first
+    sequences: list[Sequence]
     metrics: RequestMetrics
-    output: CompletionOutput = None
-    detokenizer: object = None
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache, set on first scheduling
-    status: SequenceStatus = SequenceStatus.WAITING
-    eos_token_ids: frozenset = field(default_factory=frozenset)
-    # For completions 1..n-1 of a request: completion 0, whose computed prompt
-    # blocks they wait for so the prefix cache shares them instead of each
-    # sibling computing the prompt again.
-    leader: "Sequence | None" = None
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.output.token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output.token_ids)
-
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output.token_ids
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return all(s.is_finished for s in self.sequences)
+
+    def output(self) -> RequestOutput:
+        cached = max(0, min(s.num_cached_tokens for s in self.sequences))
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.output for s in self.sequences],
+            finished=self.is_finished,
+            num_cached_tokens=cached,
+            metrics=self.metrics,
+        )

@@ -11,6 +11,15 @@ is free, the newest running sequence is preempted by recompute: its blocks are
 freed and it goes back to the front of the queue with its output kept, to be
 recomputed (often from the prefix cache) when there is room again.
 
+Speculative drafts (vLLM v1's rule): a proposer leaves draft tokens on a
+sequence after a step, and this step owes them as ordinary tokens: their
+slots are allocated and they count against the token budget. Drafts are
+only verified in a step where every sequence decodes (the verification
+program has 1 + K rows per sequence, engine/programs.py), so they are
+dropped when the step holds a prompt chunk, and those that do not fit the
+budget or the free blocks are dropped too (drafts never preempt anyone).
+That rule lives in `_schedule_drafts` and nowhere else.
+
 `policy="static"` is a benchmark baseline: admit a batch only when nothing is
 running, then run it until every member finishes.
 """
@@ -22,16 +31,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxinfer.engine.block_manager import BlockManager
-from jaxinfer.engine.request import Sequence, SequenceStatus
+from jaxinfer.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
 class ScheduledBatch:
     sequences: list[Sequence]
+    # Tokens computed this step per sequence, its scheduled drafts included.
     num_new_tokens: list[int]
+    # Each sequence's num_computed_tokens when scheduled: where its rows start.
+    num_computed_tokens: list[int]
+    # Drafts scheduled per sequence (the last num_drafts of its new tokens).
+    num_drafts: list[int]
 
     def __len__(self):
         return len(self.sequences)
+
+    @property
+    def verifies_drafts(self) -> bool:
+        return any(self.num_drafts)
+
 
 
 class Scheduler:
@@ -56,10 +75,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Free what a sequence holds beside its tokens: blocks and drafts."""
         self.block_manager.free(seq.seq_id)
+        seq.draft_token_ids = []
         if self.on_release is not None:
             self.on_release(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -112,7 +136,23 @@ class Scheduler:
             scheduled.append(seq)
             counts.append(num_new)
             budget -= num_new
-        return ScheduledBatch(scheduled, counts)
+        num_drafts = self._schedule_drafts(scheduled, counts, budget)
+        return ScheduledBatch(scheduled, [n + d for n, d in zip(counts, num_drafts)],
+                              [s.num_computed_tokens for s in scheduled], num_drafts)
+
+    def _schedule_drafts(self, scheduled: list[Sequence], counts: list[int], budget: int) -> list[int]:
+        """How many of its drafts each scheduled sequence verifies this step
+        (the rule in the module docstring); the rest are dropped."""
+        pure_decode = all(n == 1 and s.num_computed_tokens == s.num_tokens - 1 for s, n in zip(scheduled, counts))
+        num_drafts = []
+        for seq in scheduled:
+            drafts = seq.draft_token_ids[:budget] if pure_decode else []
+            if drafts and not self.block_manager.allocate(seq.seq_id, seq.num_tokens + len(drafts)):
+                drafts = []
+            seq.draft_token_ids = drafts
+            budget -= len(drafts)
+            num_drafts.append(len(drafts))
+        return num_drafts
 
     def _waits_for_leader(self, seq: Sequence) -> bool:
         """n > 1: hold a sibling back until completion 0 has computed the
@@ -132,6 +172,4 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq.seq_id)
-        if self.on_release is not None:
-            self.on_release(seq)
+        self._release(seq)

@@ -116,8 +116,3 @@ def quantize_kv(x, storage_dtype):
     if storage_dtype == jnp.uint8:
         q = jax.lax.bitcast_convert_type(q, jnp.uint8)
     return q, scales
-
-
-def dequantize_kv(q, scales):
-    """q [..., head_dim] (any storage dtype), scales [...] -> float32 values."""
-    return as_fp8(q).astype(jnp.float32) * scales[..., None]

@@ -63,7 +63,7 @@ def param_shapes(config: ModelConfig) -> dict:
 def decoder_layer(p: dict, config: ModelConfig, x, positions, inv_freq, attention: AttentionFn, kv_cache, layer_index):
     """One transformer block over x [B, T, hidden] with one layer's weights `p`
     (the per-layer dicts above without the leading L axis); returns (x, kv_cache).
-    Shared by the model body and the EAGLE draft head (spec/eagle_head.py)."""
+    Shared by the model body and the EAGLE draft head (engine/spec/eagle_head.py)."""
     c = config
     batch, seq = x.shape[:2]
 

@@ -23,6 +23,12 @@ of q_len sits at position context_len - q_len + i) and lets decode tokens and
 chunks share one call. Keys are visited a tile of blocks at a time with an
 online softmax, so memory stays O(T * tile) rather than O(T * context), and
 the loop stops at the longest context in the batch.
+
+A verification step (speculative decoding) has another layout: exactly
+R = 1 + K rows per sequence (its last token and its drafts).
+`verification_attention` serves it with `multi_query_attention_reference`,
+which gathers each tile once per sequence rather than once per row; both
+references share the tile gather (`gather_tile`) and the online softmax.
 """
 
 from __future__ import annotations
@@ -84,12 +90,7 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
     def visit_tile(tile, carry):
         running_max, denom, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(tables, tile * tile_blocks, tile_blocks, axis=1)  # [T, tb]
-        k = as_fp8(k_pool[layer_index, blocks]).reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
-        v = as_fp8(v_pool[layer_index, blocks]).reshape(num_tokens, tile_tokens, num_kv_heads, head_dim)
-        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
-        if quantized:
-            k = k * k_scales[layer_index, blocks].reshape(num_tokens, tile_tokens, num_kv_heads, 1)
-            v = v * v_scales[layer_index, blocks].reshape(num_tokens, tile_tokens, num_kv_heads, 1)
+        k, v = gather_tile(k_pool, v_pool, k_scales, v_scales, layer_index, blocks)
         key_pos = tile * tile_tokens + jnp.arange(tile_tokens)
         mask = (key_pos[None, :] <= positions[:, None]) & valid_query[:, None]
         if sliding_window is not None:
@@ -103,14 +104,79 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
         return online_softmax_update(running_max, denom, acc, scores,
                                      lambda probs: jnp.einsum("tkgs,tskd->tkgd", probs, v))
 
+    out = _online_softmax(visit_tile, num_tiles, (num_tokens, num_kv_heads, group), head_dim)
+    return out.reshape(num_tokens, num_heads, head_dim)
+
+
+def multi_query_attention_reference(q, k_pool, v_pool, layer_index, block_tables, context_lens, *, k_scales=None,
+                                    v_scales=None, sliding_window=None, tile_blocks: int = 8):
+    """q [S, R, H, D]: R query rows per sequence, row i at position
+    context_len - R + i; pools [layers, blocks, block_size, KV, D] -> [S, R, H, D] (float32).
+
+    The layout of a verification step (the last token and K drafts per
+    sequence). paged_attention_reference serves it too, but gathers the
+    context once per row; here each tile is gathered once per sequence and
+    all its rows attend to it. context_len 0 (padding) gives zeros.
+    """
+    q, k_pool, v_pool = jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool)
+    if k_scales is not None:
+        k_scales, v_scales = jnp.asarray(k_scales), jnp.asarray(v_scales)
+    num_seqs, rows, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_pool.shape[2], k_pool.shape[3]
+    group = num_heads // num_kv_heads
+    q = q.reshape(num_seqs, rows, num_kv_heads, group, head_dim).astype(jnp.float32) * head_dim**-0.5
+    max_blocks = block_tables.shape[1]
+    padded_blocks = -(-max_blocks // tile_blocks) * tile_blocks
+    tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))  # null block: masked anyway
+    tile_tokens = tile_blocks * block_size
+    num_tiles = (jnp.max(context_lens) + tile_tokens - 1) // tile_tokens
+    query_pos = context_lens[:, None] - rows + jnp.arange(rows)[None, :]  # [S, R]
+
+    def visit_tile(tile, carry):
+        running_max, denom, acc = carry
+        blocks = jax.lax.dynamic_slice_in_dim(tables, tile * tile_blocks, tile_blocks, axis=1)  # [S, tb]
+        k, v = gather_tile(k_pool, v_pool, k_scales, v_scales, layer_index, blocks)
+        key_pos = tile * tile_tokens + jnp.arange(tile_tokens)
+        in_context = key_pos[None, :] < context_lens[:, None]  # [S, T]
+        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_context[:, None, :]  # [S, R, T]
+        if sliding_window is not None:
+            mask &= query_pos[:, :, None] - key_pos[None, None, :] < sliding_window
+        # As above: slots past a context may hold NaN, and 0 * NaN would leak into the sum.
+        v = jnp.where(in_context[:, :, None, None], v, 0.0)
+        scores = jnp.einsum("srkgd,stkd->srkgt", q, k)
+        scores = jnp.where(mask[:, :, None, None, :], scores, -jnp.inf)
+        return online_softmax_update(running_max, denom, acc, scores,
+                                     lambda probs: jnp.einsum("srkgt,stkd->srkgd", probs, v))
+
+    out = _online_softmax(visit_tile, num_tiles, (num_seqs, rows, num_kv_heads, group), head_dim)
+    return out.reshape(num_seqs, rows, num_heads, head_dim)
+
+
+def gather_tile(k_pool, v_pool, k_scales, v_scales, layer_index, blocks):
+    """K and V of the blocks `blocks` [N, tile_blocks] of one layer as float32
+    [N, tile_blocks * block_size, KV, D], dequantized with their per-token
+    scales for an int8 / fp8 pool (fp8 stored as uint8 bits on CPU is viewed
+    as fp8 first, models/kv_cache.py). Only a tile is ever held in float32."""
+    num_kv_heads, head_dim = k_pool.shape[3:]
+    shape = (blocks.shape[0], -1, num_kv_heads, head_dim)
+    k = as_fp8(k_pool[layer_index, blocks]).reshape(shape).astype(jnp.float32)
+    v = as_fp8(v_pool[layer_index, blocks]).reshape(shape).astype(jnp.float32)
+    if k_scales is not None:
+        k = k * k_scales[layer_index, blocks].reshape(*k.shape[:3], 1)
+        v = v * v_scales[layer_index, blocks].reshape(*v.shape[:3], 1)
+    return k, v
+
+
+def _online_softmax(visit_tile, num_tiles, stats_shape, head_dim):
+    """Run visit_tile over num_tiles tiles from empty statistics and normalize;
+    rows that saw no key (padding) give zeros."""
     init = (
-        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+        jnp.full(stats_shape, -jnp.inf, jnp.float32),
+        jnp.zeros(stats_shape, jnp.float32),
+        jnp.zeros((*stats_shape, head_dim), jnp.float32),
     )
     _, denom, acc = jax.lax.fori_loop(0, num_tiles, visit_tile, init)
-    out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
-    return out.reshape(num_tokens, num_heads, head_dim)
+    return jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
 
 
 def online_softmax_update(running_max, denom, acc, scores, weighted_values):
@@ -175,17 +241,58 @@ def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, bac
                                  interpret=backend == "pallas_interpret")
 
     def attend(q, k, v, kv_cache, layer_index):
-        kv_cache = write_kv(kv_cache, layer_index, k[0], v[0], meta.slot_mapping)
-        k_pool, v_pool = kv_cache[:2]
-        k_scales, v_scales = kv_cache[2:] if is_quantized(kv_cache) else (None, None)
+        kv_cache, pools = _write_new_kv(kv_cache, layer_index, k, v, meta)
         if backend == "xla":
+            k_pool, v_pool, k_scales, v_scales = pools
             out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index,
                                             k_scales=k_scales, v_scales=v_scales)
         else:
-            out = shard_heads(kernel, mesh)(q[0], k_pool, v_pool, k_scales, v_scales, layer_index, meta)
+            out = shard_heads(kernel, mesh)(q[0], *pools, layer_index, meta)
         return out[None].astype(q.dtype), kv_cache
 
     return attend
+
+
+def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_window=None,
+                           backend: str = "xla", mesh=None) -> AttentionFn:
+    """The model-facing attention of a verification step: `rows` = 1 + K
+    query rows per sequence, flattened sequence-major (batch dim 1). Row
+    positions are implied by context_len, as in the decode kernel, so a
+    sequence with fewer drafts pads its rows at the end (engine/inputs.py).
+    "xla" runs multi_query_attention_reference; the Pallas backends the decode
+    kernel, which takes a few query rows per sequence in exactly this layout.
+    mesh: as in paged_cache_attention."""
+
+    def kernel(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta):
+        from pallas_kernels.paged_decode_attention import paged_decode_attention
+
+        return paged_decode_attention(q, as_fp8(k_pool), as_fp8(v_pool), layer_index, meta.block_tables,
+                                      meta.context_lens, k_scales=k_scales, v_scales=v_scales,
+                                      sliding_window=sliding_window, interpret=backend == "pallas_interpret")
+
+    def attend(q, k, v, kv_cache, layer_index):
+        kv_cache, pools = _write_new_kv(kv_cache, layer_index, k, v, meta)
+        num_tokens, num_heads, head_dim = q.shape[1:]
+        per_seq = q[0].reshape(num_tokens // rows, rows, num_heads, head_dim)
+        if backend == "xla":
+            k_pool, v_pool, k_scales, v_scales = pools
+            out = multi_query_attention_reference(per_seq, k_pool, v_pool, layer_index, meta.block_tables,
+                                                  meta.context_lens, k_scales=k_scales, v_scales=v_scales,
+                                                  sliding_window=sliding_window)
+        else:
+            out = shard_heads(kernel, mesh)(per_seq, *pools, layer_index, meta)
+        return out.reshape(1, num_tokens, num_heads, head_dim).astype(q.dtype), kv_cache
+
+    return attend
+
+
+def _write_new_kv(kv_cache, layer_index, k, v, meta: PagedAttentionMetadata):
+    """Write the step's new K/V [1, T, KV, D] first (in place, donated), then
+    hand the layer's attention (k_pool, v_pool, k_scales, v_scales); scales
+    are None for a float pool."""
+    kv_cache = write_kv(kv_cache, layer_index, k[0], v[0], meta.slot_mapping)
+    scales = kv_cache[2:] if is_quantized(kv_cache) else (None, None)
+    return kv_cache, (*kv_cache[:2], *scales)
 
 
 def _pallas_attention(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta, sliding_window, decode, interpret):

@@ -5,7 +5,7 @@ Tensor parallelism (TP) runs one model over a mesh with a single axis,
 sharded over it (sharding.py) and XLA's SPMD partitioner (GSPMD) inserts the
 all-reduces. Data parallelism (DP) is data_parallel_size independent engine
 replicas, each on its own TP mesh over a disjoint group of devices
-(data_parallel.py spreads requests over them): replica r gets devices [r * tp, (r + 1) * tp)
+(engine/data_parallel.py spreads requests over them): replica r gets devices [r * tp, (r + 1) * tp)
 of jax.devices(). Replicas rather than a "data" mesh axis because each
 replica keeps its own scheduler, block manager and paged pool, so they
 never wait on each other's batch shapes or block tables, and one replica's
@@ -47,7 +47,3 @@ def replica_meshes(tensor_parallel_size: int = 1, data_parallel_size: int = 1, d
     check_parallel_sizes(tensor_parallel_size, data_parallel_size, len(devices))
     tp = tensor_parallel_size
     return [Mesh(np.array(devices[r * tp:(r + 1) * tp]), (MODEL_AXIS,)) for r in range(data_parallel_size)]
-
-
-def model_axis_size(mesh: Mesh | None) -> int:
-    return 1 if mesh is None else mesh.shape[MODEL_AXIS]

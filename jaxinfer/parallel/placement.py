@@ -69,11 +69,6 @@ def layer_shardings(stacked_shardings):
     return jax.tree_util.tree_map(drop_layer_axis, stacked_shardings)
 
 
-def reshard(tree, shardings):
-    """Move device arrays to `shardings` (device to device: shard by shard, no host copy)."""
-    return jax.device_put(tree, shardings)
-
-
 def shard_params(params: dict, mesh) -> dict:
     """Device params -> their declared shardings on `mesh` (parallel/sharding.py),
     device to device; a no-op for leaves already placed so."""

@@ -5,12 +5,14 @@ The longest n in [min_n, max_n] with a match wins; among matches of that n,
 the most recent one (what the text just repeated is the best guess of what it
 repeats next). Host-side and model-free: the cost is a scan over the token
 list, done with numpy on the sequence's tokens each step. `NgramProposer` is
-the engine's interface to it (see spec/proposer.py).
+the engine's interface to it (see engine/spec/proposer.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from jaxinfer.engine.spec.proposer import Proposer
 
 
 def propose_ngram(token_ids, num_tokens: int, max_n: int = 4, min_n: int = 1) -> list[int]:
@@ -30,21 +32,12 @@ def propose_ngram(token_ids, num_tokens: int, max_n: int = 4, min_n: int = 1) ->
     return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup for the engine: stateless, no device work, no programs."""
 
-    num_compilations = 0
-    device_time = 0.0
-
-    def __init__(self, max_n: int = 4, min_n: int = 1):
-        self.max_n, self.min_n = max_n, min_n
+    def __init__(self, engine_config, spec):
+        super().__init__(spec.num_speculative_tokens, engine_config.max_model_len)
+        self.max_n, self.min_n = spec.max_n, spec.min_n
 
     def propose(self, seqs, caps: list[int]) -> list[list[int]]:
-        return [propose_ngram(seq.token_ids(), cap, self.max_n, self.min_n) if cap > 0 else []
-                for seq, cap in zip(seqs, caps)]
-
-    def sync(self, seq) -> None:
-        pass
-
-    def release(self, seq) -> None:
-        pass
+        return [propose_ngram(seq.token_ids(), cap, self.max_n, self.min_n) for seq, cap in zip(seqs, caps)]

@@ -1,4 +1,5 @@
-"""Host-side numpy sampler: the plain, exact reference for token selection.
+"""Host-side numpy sampler: the plain, exact reference for token selection
+(tests only; the engine samples on the device, jaxinfer/engine/sampler.py).
 
 Everything is computed in float64 on one 1-D logit vector. The pipeline of
 `sample_next_token` is the one vLLM uses:

@@ -1,10 +1,10 @@
-"""EAGLE proposer: drafts from the trained draft head (spec/eagle_head.py)
+"""EAGLE proposer: drafts from the trained draft head (engine/spec/eagle_head.py)
 over the target's own features.
 
-The target runner returns the pre-norm hidden state of every row it computes
-(`ModelRunner(with_features=True)`); `observe` takes this step's rows per
-sequence, and `sync` keeps those the target accepted (a verification step's
-rejected rows are dropped), so each sequence holds the features of its last
+The target's step returns the pre-norm hidden state of every row it computes
+(StepOutput.features); after each step `update` keeps each sequence's rows
+of the positions the target accepted (a verification step's rejected rows
+are dropped), so each sequence holds the features of its last
 `window` computed positions on the host (window x hidden floats: 37 KB for
 the default model). A proposal for a sequence of n tokens, whose last token
 x_{n-1} is owed, builds the window entries (x_q, f_{q-1}) for the last L <=
@@ -16,7 +16,7 @@ A sequence whose features have a gap (its prompt was served from the prefix
 cache, so the target never computed those positions) drafts from the
 features it has, as long as there is at least one; right after a full
 prefix hit of all but one token it decodes one step without drafts. Drafts
-are greedy (see spec/draft_model.py for why that keeps sampling exact).
+are greedy (see engine/spec/draft_model.py for why that keeps sampling exact).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from tqdm.auto import tqdm
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
-from jaxinfer.spec.eagle_head import DEFAULT_HEAD, feature_logits, head_features, load_head
-from jaxinfer.utils import powers_of_two
+from jaxinfer.engine.spec.eagle_head import DEFAULT_HEAD, feature_logits, head_features, load_head
+from jaxinfer.engine.spec.proposer import Proposer
+from jaxinfer.utils import bucket_size, powers_of_two
 
 
 def _buffer_attention(write_index, limit, num_entries: int):
@@ -85,22 +86,23 @@ def draft_tokens(head, target_params, tokens, features, first_position, lengths,
     return jnp.stack(drafts, axis=1)
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     def __init__(self, target, engine_config, spec, progress: bool = True):
+        super().__init__(spec.num_speculative_tokens, engine_config.max_model_len)
         self.target = target
         self.config = target.config
-        self.k = spec.num_speculative_tokens
         self.head, self.window = load_head(spec.model or DEFAULT_HEAD, target.config, target.dtype)
-        self.num_compilations = 0
         self.device_time = 0.0
         self.buckets = powers_of_two(1, engine_config.max_num_seqs)  # the runner's decode buckets
         self._features: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (end position, [<= window, hidden])
-        self._pending: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (first position, this step's rows)
         for num_seqs in tqdm(self.buckets, desc="compiling draft head", disable=not progress, leave=False):
             self._draft(np.zeros((num_seqs, self.window), np.int32),
                         np.zeros((num_seqs, self.window, self.config.hidden_size), np.float32),
                         np.zeros(num_seqs, np.int32), np.ones(num_seqs, np.int32))
-            self.num_compilations += 1
+        self.num_compilations = len(self.buckets)
+
+    def programs(self) -> list[tuple]:
+        return [("draft_head", n) for n in self.buckets]
 
     def _draft(self, tokens, features, first_position, lengths) -> np.ndarray:
         start = time.perf_counter()
@@ -109,48 +111,37 @@ class EagleProposer:
         self.device_time += time.perf_counter() - start
         return out
 
-    def observe(self, batch, features, drafts) -> None:
-        """Right after the target ran `batch` (before output processing moves
-        num_computed_tokens): remember each sequence's rows of `features`
-        (host [rows, hidden]); a verification step (drafts not None) has
-        1 + K rows per sequence."""
-        start = 0
-        for i, (seq, num_new) in enumerate(zip(batch.sequences, batch.num_new_tokens)):
-            if drafts is not None:
-                rows = features[i * (1 + self.k): (i + 1) * (1 + self.k)]
-            else:
-                rows = features[start: start + num_new]
-                start += num_new
-            self._pending[seq.seq_id] = (seq.num_computed_tokens, rows)
-
-    def sync(self, seq) -> None:
-        """After output processing: keep the rows of positions the target has
-        now computed (accepted), at most `window` of the latest."""
-        pending = self._pending.pop(seq.seq_id, None)
-        if pending is None:
-            return
-        first, rows = pending
-        rows = rows[: max(0, seq.num_computed_tokens - first)]
-        end, kept = self._features.get(seq.seq_id, (None, None))
-        if kept is not None and end == first:  # contiguous with what is kept
-            rows = np.concatenate([kept, rows])
-        self._features[seq.seq_id] = (seq.num_computed_tokens if len(rows) else first, rows[-self.window:])
+    def update(self, batch, out) -> None:
+        """Keep, per sequence, the features of the positions the target has now
+        computed (a verification step's rejected rows are dropped), at most
+        `window` of the latest."""
+        start = time.perf_counter()
+        features = np.asarray(out.features)
+        self.device_time += time.perf_counter() - start
+        for i, seq in enumerate(batch.sequences):
+            if seq.is_finished:  # released already
+                continue
+            first = batch.num_computed_tokens[i]
+            rows = features[out.row_start[i]: out.row_start[i + 1]][: max(0, seq.num_computed_tokens - first)]
+            end, kept = self._features.get(seq.seq_id, (None, None))
+            if kept is not None and end == first:  # contiguous with what is kept
+                rows = np.concatenate([kept, rows])
+            self._features[seq.seq_id] = (seq.num_computed_tokens if len(rows) else first, rows[-self.window:])
 
     def release(self, seq) -> None:
         self._features.pop(seq.seq_id, None)
-        self._pending.pop(seq.seq_id, None)
 
     def propose(self, seqs, caps: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
         chosen = []
-        for i, (seq, cap) in enumerate(zip(seqs, caps)):
+        for i, seq in enumerate(seqs):
             end, kept = self._features.get(seq.seq_id, (None, None))
             # Features through position n - 2 are needed for the entry of the owed token x_{n-1}.
-            if cap > 0 and kept is not None and len(kept) and end == seq.num_tokens - 1:
+            if kept is not None and len(kept) and end == seq.num_tokens - 1:
                 chosen.append(i)
         if not chosen:
             return drafts
-        num_seqs = next(b for b in self.buckets if b >= len(chosen))
+        num_seqs = bucket_size(len(chosen), 1)
         tokens = np.zeros((num_seqs, self.window), np.int32)
         features = np.zeros((num_seqs, self.window, self.config.hidden_size), np.float32)
         first_position = np.zeros(num_seqs, np.int32)

@@ -41,7 +41,7 @@ from jaxinfer.models.layers import rms_norm, rope_inv_freq
 from jaxinfer.models.llama import compute_logits, decoder_layer
 
 # The head trained for the embedded default model (scripts/train_draft_head.py).
-DEFAULT_HEAD = Path(__file__).resolve().parents[2] / "checkpoints" / "eagle-smollm2-135m-instruct.safetensors"
+DEFAULT_HEAD = Path(__file__).resolve().parents[3] / "checkpoints" / "eagle-smollm2-135m-instruct.safetensors"
 _LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 

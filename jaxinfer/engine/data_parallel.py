@@ -2,7 +2,7 @@
 
 Each replica is a whole LLMEngine (scheduler, block manager, paged pool,
 compiled programs) over its own ("model",) mesh of tensor_parallel_size
-devices (mesh.py); the params are loaded once, into replica 0's shards, and
+devices (parallel/mesh.py); the params are loaded once, into replica 0's shards, and
 copied device to device to the others. A new request goes to the replica
 with the least outstanding work, counted in engine steps: its prompt tokens
 not yet computed over max_num_batched_tokens (what one step prefills) plus
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from jaxinfer.errors import RequestError
 from jaxinfer.outputs import RequestOutput
 
 # Replicas step concurrently, so their times overlap: report the largest.
@@ -34,20 +35,9 @@ from jaxinfer.outputs import RequestOutput
 _MAX_STATS = ("host_time_s", "device_time_s")
 
 
-def outstanding_tokens(engine) -> tuple[int, int]:
-    """(prompt tokens still to compute, tokens still to generate) over the engine's unfinished sequences."""
-    prompt = generate = 0
-    for state in engine.requests.values():
-        for seq in state.sequences:
-            if not seq.is_finished:
-                prompt += max(0, len(seq.prompt_token_ids) - seq.num_computed_tokens)
-                generate += seq.params.max_tokens - len(seq.output.token_ids)
-    return prompt, generate
-
-
 def outstanding_steps(engine) -> float:
     """Engine steps the replica's queued work needs if nothing else arrives (see the module docstring)."""
-    prompt, generate = outstanding_tokens(engine)
+    prompt, generate = engine.outstanding_tokens()
     return prompt / engine.config.max_num_batched_tokens + generate / engine.config.max_num_seqs
 
 
@@ -71,8 +61,6 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str, prompt_token_ids, params, prompt=None) -> int:
         if request_id in self.replica_of:
-            from jaxinfer.engine.engine import RequestError
-
             raise RequestError(f"request {request_id}: id already in use")
         index = self.choose_replica(prompt_token_ids, params)
         self.replicas[index].add_request(request_id, prompt_token_ids, params, prompt=prompt)

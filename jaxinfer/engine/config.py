@@ -1,0 +1,100 @@
+"""EngineConfig (the engine's options, checked) and the size of the KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxinfer.engine.spec.config import SpeculativeConfig
+from jaxinfer.model import Model
+from jaxinfer.models import kv_cache
+from jaxinfer.models.paged_attention import ATTENTION_BACKENDS
+
+CPU_KV_CACHE_BYTES = 512 * 2**20  # default pool size without a GPU to measure
+
+
+# (max_num_seqs, max_num_batched_tokens). Every (tokens, seqs) bucket pair is
+# compiled at start-up, so CPU keeps the grid small (20 programs); a GPU
+# needs wide batches to fill it.
+_PLATFORM_DEFAULTS = {"cpu": (16, 256), "gpu": (128, 2048)}
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.9
+    # None: chosen by platform (see _PLATFORM_DEFAULTS).
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "continuous"
+    # None: "pallas" on GPU, "xla" elsewhere (see models/paged_attention.py).
+    attention_backend: str | None = None
+    # "auto" (the model's dtype), "int8" or "fp8" (see models/kv_cache.py).
+    kv_cache_dtype: str = "auto"
+    # None, or {"method": "ngram" | "draft_model" | "eagle", "num_speculative_tokens": k, ...}
+    # (see engine/spec/config.py); parsed into a SpeculativeConfig.
+    speculative: dict | SpeculativeConfig | None = None
+
+    def __post_init__(self):
+        platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+        seqs, tokens = _PLATFORM_DEFAULTS[platform]
+        self.max_num_seqs = self.max_num_seqs or seqs
+        self.max_num_batched_tokens = self.max_num_batched_tokens or tokens
+        self.attention_backend = self.attention_backend or ("pallas" if platform == "gpu" else "xla")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        kv_cache.check_kv_cache_dtype(self.kv_cache_dtype)
+        self.speculative = SpeculativeConfig.parse(self.speculative)
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise ValueError(f"num_kv_blocks must be an int >= 2 (block 0 is reserved), got {self.num_kv_blocks!r}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
+
+
+def kv_block_bytes(model: Model, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    return kv_cache.kv_block_bytes(model.config, block_size, model.dtype, kv_cache_dtype)
+
+
+def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int = 0) -> int:
+    """extra_block_bytes: memory per block of another pool with as many blocks
+    (a draft model's), which shares the budget."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_block_bytes(model, config.block_size, config.kv_cache_dtype) + extra_block_bytes
+    if model.mesh is not None:  # the pool is split on KV heads: each device holds 1 / N of every block
+        per_block = -(-per_block // model.mesh.size)
+    devices = [jax.devices()[0]] if model.mesh is None else [
+        d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
+    stats = [d.memory_stats() if d.platform == "gpu" else None for d in devices]
+    if all(s and "bytes_limit" in s for s in stats):
+        # The fullest device of the mesh decides: every device holds a slice of every block.
+        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+        budget = int(free * config.kv_cache_memory_fraction)
+    else:
+        # CPU: no device memory to measure; enough for every sequence at full length, capped.
+        full = config.max_num_seqs * -(-config.max_model_len // config.block_size) * per_block
+        budget = min(full, CPU_KV_CACHE_BYTES)
+    num_blocks = max(2, budget // per_block + 1)
+    if jax.process_count() > 1:
+        # Lockstep hosts must build the same pool (same shapes, same programs): the smallest wins.
+        from jax.experimental import multihost_utils
+
+        num_blocks = int(np.min(multihost_utils.process_allgather(np.int64(num_blocks))))
+    return num_blocks

@@ -1,0 +1,117 @@
+"""After the device: the one path from a StepOutput to what callers see.
+
+For every scheduled sequence it appends the tokens the step emitted (0 for a
+prompt chunk that did not reach the end, 1 for a plain step, 1 + accepted
+drafts after verification) one at a time through the same stop checks (EOS,
+stop ids and strings, max_tokens, max_model_len), stopping at the first stop;
+advances num_computed_tokens to the tokens whose K/V are now valid;
+registers their full blocks in the prefix cache and trims blocks past the
+sequence's length (a rejected draft's slots, which later steps rewrite);
+and finishes sequences, freeing their blocks.
+"""
+
+from __future__ import annotations
+
+import time
+
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.request import RequestState
+from jaxinfer.engine.runner import StepOutput
+from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, tokenizer, max_model_len: int):
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        # Speculative decoding: drafts verified, drafts accepted, and
+        # (sequence, step) verifications of at least one draft.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verifications = 0
+
+    def process(self, batch: ScheduledBatch, out: StepOutput, requests: dict[str, RequestState]) -> list[RequestOutput]:
+        """Apply one step's output; returns the requests that made progress
+        (finished ones for the last time: they are removed from `requests`)."""
+        now = time.perf_counter()
+        touched: dict[str, RequestState] = {}
+        for i, seq in enumerate(batch.sequences):
+            num_drafts, num_emitted = batch.num_drafts[i], int(out.num_emitted[i])
+            seq.draft_token_ids = []
+            # K/V of the tokens before the one a row emits are valid: all new
+            # tokens but the drafts, then one more per accepted draft.
+            computed = batch.num_computed_tokens[i] + batch.num_new_tokens[i] - num_drafts
+            seq.num_computed_tokens = computed
+            if num_drafts:
+                self.num_draft_tokens += num_drafts
+                self.num_accepted_tokens += num_emitted - 1
+                self.num_verifications += 1
+            for j in range(num_emitted):
+                seq.num_computed_tokens = computed + j
+                self._append_token(seq, int(out.token_ids[i, j]), out, i, now)
+                if seq.output.finish_reason is not None:
+                    break
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids(), seq.num_computed_tokens)
+            self.block_manager.trim(seq.seq_id, seq.num_tokens)
+            if num_emitted:
+                touched[seq.request_id] = requests[seq.request_id]
+            if seq.output.finish_reason is not None:
+                self.scheduler.finish(seq)
+        results = []
+        for state in touched.values():
+            output = state.output()
+            if output.finished:
+                state.metrics.finished_time = now
+                del requests[state.request_id]
+            results.append(output)
+        return results
+
+    def _append_token(self, seq: Sequence, token: int, out: StepOutput, row: int, now: float) -> None:
+        """Append one token and check the stops; out[row] holds its logprobs
+        (only read for requests with logprobs, which never have drafts)."""
+        params, completion = seq.params, seq.output
+        completion.token_ids.append(token)
+        seq.metrics.first_token_time = seq.metrics.first_token_time or now
+        seq.metrics.last_token_time = now
+        seq.metrics.num_output_tokens += 1
+        if params.logprobs is not None:
+            entry = {token: Logprob(float(out.logprobs[row, 0]), int(out.sampled_rank[row]))}
+            for rank in range(params.logprobs):
+                token_id = int(out.logprob_token_ids[row, 1 + rank])
+                entry.setdefault(token_id, Logprob(float(out.logprobs[row, 1 + rank]), rank + 1))
+            for token_id, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([token_id]) if self.tokenizer else None
+            completion.logprobs.append(entry)
+            completion.cumulative_logprob += entry[token].logprob
+        if token in (params.stop_token_ids or ()) or token in seq.eos_token_ids:
+            completion.finish_reason = "stop"
+            completion.stop_reason = token if token in (params.stop_token_ids or ()) else None
+        if seq.detokenizer is not None:
+            completion.text += seq.detokenizer.add([token])
+            if completion.finish_reason is None:
+                _cut_at_stop_string(completion, params.stop)
+        if completion.finish_reason is None and (
+            len(completion.token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            completion.finish_reason = "length"
+        if completion.finish_reason is not None and seq.detokenizer is not None and not isinstance(
+            completion.stop_reason, str
+        ):
+            completion.text += seq.detokenizer.flush()  # bytes held back for a character that never completed
+            _cut_at_stop_string(completion, params.stop)
+
+
+def _cut_at_stop_string(completion: CompletionOutput, stop) -> bool:
+    """End the completion at the first stop string in its text; the stop
+    string itself is not returned (vLLM's default)."""
+    hits = [(completion.text.find(s), s) for s in stop or () if s in completion.text]
+    if not hits:
+        return False
+    position, string = min(hits)
+    completion.text = completion.text[:position]
+    completion.finish_reason, completion.stop_reason = "stop", string
+    return True

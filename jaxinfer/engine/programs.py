@@ -1,0 +1,111 @@
+"""The pure jitted programs of a step; engine/runner.py picks, counts and runs them.
+
+    forward  tokens -> logits at the rows that sample, the pre-norm hidden
+             state of every row (an EAGLE proposer drafts from it) and the
+             updated KV pool (donated, so written in place). Static per
+             (tokens, seqs) bucket and per layout:
+               "decode"  one new token per sequence (the Pallas backend
+                         serves it with the split-k decode kernel)
+               "mixed"   prompt chunks and decode tokens flattened together
+               "verify"  exactly 1 + K rows per sequence (its last token and
+                         its drafts), logits at every row, attention with one
+                         context gather per sequence (models/paged_attention.py)
+    sample   one token per sequence from its logits (engine/sampler.py), with
+             or without repetition/presence/frequency penalties (those need
+             [seqs, vocab] inputs, so they are a variant of their own)
+    verify   acceptance of drafts (engine/verify.py), and the first rows'
+             logits for the sequences that had no drafts, which the sample
+             program then serves: penalties and logprobs, whose requests never
+             draft, need no verification variant of their own
+
+The forward and the sampler are separate programs, the logits staying on the
+device between them, so the sampler's variants do not multiply the model's
+compilations.
+
+Tensor parallelism: with a mesh (parallel/), the params and the pool arrive
+sharded, `mesh` is a static argument of every program (the Pallas attention
+runs per shard with shard_map, parallel/attention.py) and the outputs that go
+to the host are constrained to be replicated, so every device (every host, in
+a multi-host run) holds the tokens. Without a mesh the programs are exactly
+the single-device ones.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.sampler import sample
+from jaxinfer.engine.verify import verify, verify_greedy
+from jaxinfer.models.layers import rms_norm
+from jaxinfer.models.llama import compute_logits, forward
+from jaxinfer.models.paged_attention import paged_cache_attention, verification_attention
+from jaxinfer.parallel.mesh import MODEL_AXIS
+from jaxinfer.sampling_params import MAX_LOGPROBS
+
+LAYOUTS = ("decode", "mixed", "verify")
+
+
+def _replicated(tree, mesh):
+    """Outputs that go to the host: replicated on the mesh (a no-op without one)."""
+    if mesh is None:
+        return tree
+    return jax.lax.with_sharding_constraint(tree, NamedSharding(mesh, PartitionSpec()))
+
+
+def _gathered_logits(logits, mesh):
+    """Vocab-parallel logits, then all-gathered. The first constraint matters:
+    asked only for replicated logits, GSPMD all-gathers the (vocab-split) head
+    weight instead and multiplies it whole on every device, which for a real
+    vocabulary moves the whole head every step rather than [rows, vocab]."""
+    if mesh is None:
+        return logits
+    if logits.shape[-1] % mesh.size == 0:
+        vocab_split = PartitionSpec(*([None] * (logits.ndim - 1)), MODEL_AXIS)
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, vocab_split))
+    return _replicated(logits, mesh)
+
+
+def _attention(attn_meta, config: ModelConfig, backend: str, layout: str, num_tokens: int, mesh):
+    if layout == "verify":
+        rows = num_tokens // attn_meta.context_lens.shape[0]
+        return verification_attention(attn_meta, rows, config.sliding_window, backend, mesh)
+    return paged_cache_attention(attn_meta, config.sliding_window, backend, layout == "decode", mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "backend", "layout", "mesh"), donate_argnames=("kv_cache",))
+def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, *, config: ModelConfig, backend: str,
+                 layout: str, mesh=None):
+    """-> (logits [len(logits_indices), V], pre-norm hidden [T, hidden], kv_cache)."""
+    attention = _attention(attn_meta, config, backend, layout, tokens.shape[0], mesh)
+    pre, kv_cache = forward(params, config, tokens[None], attn_meta.positions[None], attention, kv_cache,
+                            final_norm=False)
+    hidden = rms_norm(pre[0], params["final_norm"], config.rms_norm_eps)
+    # Logits only where a token is sampled. On a mesh they come out split on
+    # vocab; the sampler needs whole rows, so gather them here, once, in a
+    # sharding the sampler's programs are compiled for.
+    return _gathered_logits(compute_logits(params, hidden[logits_indices]), mesh), pre[0], kv_cache
+
+
+@functools.partial(jax.jit, static_argnames=("with_penalties", "mesh"))
+def sample_step(logits, sampling_meta, penalty_inputs, *, with_penalties: bool, mesh=None):
+    prompt_mask, output_counts = penalty_inputs if with_penalties else (None, None)
+    return _replicated(sample(logits, sampling_meta, prompt_mask, output_counts, num_logprobs=MAX_LOGPROBS), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def verify_step(logits, draft_tokens, num_drafts, sampling_meta, *, mesh=None):
+    """logits [S * (1 + K), V] of a verify forward -> (tokens [S, 1 + K],
+    num_emitted [S], the first rows' logits [S, V])."""
+    num_seqs, k = draft_tokens.shape
+    logits = logits.reshape(num_seqs, 1 + k, -1)
+    tokens, num_emitted = jax.lax.cond(
+        jnp.all(sampling_meta.temperature <= 0.0),
+        lambda: verify_greedy(logits, draft_tokens, num_drafts),
+        lambda: verify(logits, draft_tokens, num_drafts, sampling_meta),
+    )
+    return _replicated((tokens, num_emitted), mesh) + (logits[:, 0],)

@@ -1,0 +1,67 @@
+"""One sequence being generated: its tokens, progress and outcome.
+
+`num_computed_tokens` counts tokens whose K/V are in the cache; the scheduler
+gives each running sequence `num_tokens - num_computed_tokens` more per step
+(a prompt chunk, or the one token sampled last step), within the budget.
+That single rule covers prefill, chunked prefill, decode, prefix-cache hits
+(which start num_computed_tokens above 0) and recompute after preemption
+(which resets it to 0). A request with n > 1 becomes n sequences.
+
+Speculative decoding adds `draft_token_ids`: tokens a proposer guessed after
+the last step. The scheduler owes them as ordinary tokens of the next step
+(or drops them, scheduler.py); they join the sequence only as far as the
+target model accepts them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from jaxinfer.outputs import CompletionOutput, RequestMetrics
+from jaxinfer.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_order: int  # preemption picks the newest (largest) first
+    metrics: RequestMetrics
+    output: CompletionOutput = None
+    detokenizer: object = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache, set on first scheduling
+    status: SequenceStatus = SequenceStatus.WAITING
+    eos_token_ids: frozenset = field(default_factory=frozenset)
+    # For completions 1..n-1 of a request: completion 0, whose computed prompt
+    # blocks they wait for so the prefix cache shares them instead of each
+    # sibling computing the prompt again.
+    leader: "Sequence | None" = None
+    # Proposed continuation to verify in the next step (engine/spec/proposer.py).
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.output.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output.token_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output.token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
