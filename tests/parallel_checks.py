@@ -181,15 +181,17 @@ def tp_group(backend: str, quantization: str | None, variant="llama_tp", sizes=(
 
 def collectives_of(llm, decode: bool):
     """Collective ops of the compiled forward of one bucket: [(op, result type)]."""
-    from jaxinfer.engine import runner as runner_module
+    from jaxinfer.engine.inputs import build_inputs
+    from jaxinfer.engine.programs import forward_step
 
     r = llm.engine.runner
     n_tok, n_seq = (2, 2) if decode else (16, 8)
-    tokens, meta, _ = r._dummy_forward_inputs(n_tok, n_seq)
-    tokens, meta, indices = r._put((tokens, meta, np.zeros(n_seq, np.int32)))
-    compiled = runner_module._forward_step.lower(
-        r.params, r.kv_cache, tokens, meta, indices, config=r.config, backend=r.attention_backend, decode=decode,
-        mesh=r.mesh).compile()
+    inputs = build_inputs([], [], [], [], num_tokens=n_tok, num_seqs=n_seq, layout="decode" if decode else "mixed",
+                          block_size=r.block_size, max_blocks_per_seq=r.max_blocks_per_seq)
+    tokens, meta, indices = r._put(inputs[:3])
+    compiled = forward_step.lower(
+        r.params, r.kv_cache, tokens, meta, indices, config=r.config, backend=r.attention_backend,
+        layout=inputs.layout, mesh=r.mesh).compile()
     found = []
     for line in compiled.as_text().split("\n"):
         m = re.search(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\(", line)

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.data_parallel import DataParallelEngine, outstanding_steps
+from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.parallel.distributed import distributed_args
 from jaxinfer.parallel.sharding import (
     expand_kv_heads,
@@ -181,19 +182,27 @@ class _FakeSeq:
     def num_tokens(self):
         return len(self.prompt_token_ids) + len(self.output.token_ids)
 
+    @property
+    def output_token_ids(self):
+        return self.output.token_ids
+
 
 class _FakeReplica:
-    """The slice of LLMEngine the balancer reads: `requests` with their sequences, the step budget."""
+    """The slice of LLMEngine the balancer reads: the engine's own count of
+    outstanding tokens over its scheduler's sequences, and the step budget."""
 
     model = tokenizer = None
     config = SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4)
+    outstanding_tokens = LLMEngine.outstanding_tokens
 
     def __init__(self):
         self.requests = {}
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
 
     def add_request(self, request_id, prompt_token_ids, params, prompt=None):
         seqs = [_FakeSeq(prompt_token_ids, params.max_tokens) for _ in range(params.n)]
         self.requests[request_id] = SimpleNamespace(sequences=seqs)
+        self.scheduler.waiting.extend(seqs)
 
 
 def test_requests_go_to_the_replica_with_least_outstanding_steps():
