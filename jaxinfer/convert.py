@@ -13,7 +13,7 @@ QUANTIZE_CHOICES = ("none", "int8", "int4", "int4-awq", "fp8")
 CALIBRATION_SEQ_LEN = 512
 CALIBRATION_BATCH_SIZE = 4
 CALIBRATION_MAX_BATCHES = 8
-AWQ_GROUP_SIZE = 128  # or gcd(in, 128) where 128 does not divide a weight's input size (quant/awq.py)
+AWQ_GROUP_SIZE = 128  # or gcd(in, 128) where 128 does not divide a weight's input size (jaxinfer/calibration.py)
 
 
 def format_bytes(n: int) -> str:
@@ -104,7 +104,7 @@ def convert_model(model, out_dir, quantize: str = "none", group_size: int | None
 
         params = quantize_params(params, quantize, group_size, include_head)
     elif quantize == "int4-awq":
-        from jaxinfer.quant.awq import awq_quantize_params
+        from jaxinfer.calibration import awq_quantize_params
 
         if model.tokenizer is None:
             raise ValueError(f"{model.source} has no tokenizer, so the calibration text cannot be tokenized")

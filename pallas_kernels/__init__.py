@@ -5,7 +5,7 @@ paged_decode_attention   one to a few query tokens per sequence over the paged
                          int8/fp8 K/V with per-token scales
 paged_prefill_attention  flash attention of ragged query chunks over the paged
                          cache, causal mask aligned bottom-right
-quantized_matmul         x @ W for int8 / int4 / fp8 QuantizedTensor weights,
+quantized_matmul         x @ W for int8 / int4 / fp8 quantized weights (plain arrays),
                          dequantized in registers (decode-sized x); the quantized
                          `linear` (jaxinfer/quant/linear.py) calls it on GPU
 

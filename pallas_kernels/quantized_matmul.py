@@ -1,15 +1,17 @@
 """x @ w for a quantized weight as a Pallas kernel for the Triton GPU lowering,
 beside its plain-jnp reference.
 
-Layout (jaxinfer/quant/tensor.py, fixed):
+Layout (the one jaxinfer/quant/tensor.py stores; plain arrays here, so the
+kernels stay a leaf that imports nothing of jaxinfer):
   x        [M, K] bfloat16 / float16 / float32 (leading axes are flattened)
-  w.data   int8 / float8_e4m3fn [K, N], or uint8 [K // 2, N] for int4 (logical
+  data     int8 / float8_e4m3fn [K, N], or uint8 [K // 2, N] for int4 (logical
            row 2j in the low nibble of byte j, row 2j + 1 in the high nibble)
-  w.scales float32 [K // group_size, N]; w.offsets the same (int4 only)
+  scales   float32 [K // group_size, N]; offsets the same (int4 only) or None
   out      [M, N] in x.dtype; value[k, n] = q[k, n] * scale[g, n] (+ offset[g, n]),
            g = k // group_size.
-With `layer_index`, w may be a stack [L, ...] of such weights and the kernel
-reads layer `layer_index` in place (see "Stacked layers" below).
+With `layer_index`, data, scales and offsets may be stacks [L, ...] of such
+weights and the kernel reads layer `layer_index` in place (see "Stacked
+layers" below).
 
 Why a kernel: a decode step multiplies a handful of rows by every weight, so
 it is bound by reading the weights. XLA's dequantize-then-matmul writes the
@@ -65,7 +67,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor, dequantize
 from pallas_kernels._common import MIN_DOT_DIM, is_power_of_two, next_power_of_two
 
 # Per row count (rows up to the key): (block_m, block_n, block_k, num_warps, num_stages).
@@ -99,6 +100,7 @@ MAX_ROWS = 128
 # The Triton lowering runs float32 dots as TF32 unless told otherwise; HIGHEST
 # makes them IEEE float32 (bf16 operands are unaffected).
 _DOT_PRECISION = lax.Precision.HIGHEST
+SCHEMES = ("int8", "int4", "fp8")
 
 
 class MatmulTiling(NamedTuple):
@@ -127,24 +129,28 @@ def _is_grouped(group_size: int, in_features: int) -> bool:
     return group_size != in_features
 
 
-def _unsupported_reason(w, num_rows: int | None, stacked: bool = False) -> str | None:
-    if not isinstance(w, QuantizedTensor):
-        return f"expected a QuantizedTensor, got {type(w).__name__}"
-    if w.scheme not in SCHEMES:
-        return f"unknown scheme {w.scheme!r}"
+def in_features_of(data, scheme: str) -> int:
+    """Logical input rows of a weight whose values are `data` (int4 packs two rows a byte)."""
+    return data.shape[-2] * (2 if scheme == "int4" else 1)
+
+
+def _unsupported_reason(data, scheme: str, group_size: int, num_rows: int | None,
+                        stacked: bool = False) -> str | None:
+    if scheme not in SCHEMES:
+        return f"unknown scheme {scheme!r}"
     expected_ndim = 3 if stacked else 2
-    if w.data.ndim != expected_ndim:
+    if data.ndim != expected_ndim:
         what = "a stack [layers, in, out] with layer_index" if stacked else "a 2-D [in, out] weight"
-        return f"expected {what}, got data of shape {w.data.shape}"
-    in_features, group_size = w.in_features, w.group_size
+        return f"expected {what}, got data of shape {data.shape}"
+    in_features = in_features_of(data, scheme)
     if group_size < 1 or in_features % group_size:
         return f"group_size {group_size} does not divide the {in_features} input rows"
-    if _is_grouped(group_size, in_features) and group_size % _min_block_k(w.scheme):
-        return (f"{w.scheme} group_size {group_size} must be a multiple of {_min_block_k(w.scheme)} "
+    if _is_grouped(group_size, in_features) and group_size % _min_block_k(scheme):
+        return (f"{scheme} group_size {group_size} must be a multiple of {_min_block_k(scheme)} "
                 f"(a K tile lies inside one group and feeds a dot of >= {MIN_DOT_DIM} rows)")
     if num_rows is not None and not 1 <= num_rows <= MAX_ROWS:
         return f"{num_rows} rows is outside the kernel's 1..{MAX_ROWS}"
-    if w.scheme == "fp8" and not _fp8_convert_supported():
+    if scheme == "fp8" and not _fp8_convert_supported():
         return "float8_e4m3fn conversion needs a GPU of compute capability >= 8.9 under Triton"
     return None
 
@@ -161,11 +167,11 @@ def _fp8_convert_supported() -> bool:
     return (major, minor) >= (8, 9)
 
 
-def supports(w, num_rows: int) -> bool:
+def supports(data, scheme: str, group_size: int, num_rows: int) -> bool:
     """Whether quantized_matmul handles this 2-D weight for `num_rows` rows of x
     and is the right tool for it (rows up to MAX_ROWS; larger batches are
     compute bound and better served by XLA's dequantize + GEMM)."""
-    return _unsupported_reason(w, num_rows) is None
+    return _unsupported_reason(data, scheme, group_size, num_rows) is None
 
 
 def matmul_tiling(
@@ -346,12 +352,17 @@ def _matmul_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "interpret"),
+    static_argnames=("scheme", "group_size", "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
+                     "interpret"),
 )
 def quantized_matmul(
     x,
-    w: QuantizedTensor,
+    data,
+    scales,
+    offsets=None,
     *,
+    scheme: str,
+    group_size: int,
     layer_index=None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -363,9 +374,10 @@ def quantized_matmul(
 ):
     """x [..., in] @ w [in, out] -> [..., out] in x.dtype, float32 accumulation.
 
-    w: a QuantizedTensor (int8 per channel or grouped, int4 grouped or per
-    channel with offsets, fp8 per channel); with layer_index (int or traced
-    int32 scalar), a stack [layers, in, out] read at that layer in place.
+    w: the arrays of the module docstring's layout (int8 per channel or
+    grouped, int4 grouped or per channel with offsets, fp8 per channel;
+    group_size == in for per channel); with layer_index (int or traced int32
+    scalar), stacks [layers, ...] read at that layer in place.
     Any number of rows works; supports() says where the kernel is the better
     choice.
 
@@ -378,10 +390,10 @@ def quantized_matmul(
       num_warps, num_stages: Triton compiler parameters.
     """
     stacked = layer_index is not None
-    reason = _unsupported_reason(w, None, stacked=stacked)
+    reason = _unsupported_reason(data, scheme, group_size, None, stacked=stacked)
     if reason is not None:
         raise ValueError(f"quantized_matmul: {reason}")
-    in_features, out_features = w.in_features, w.out_features
+    in_features, out_features = in_features_of(data, scheme), data.shape[-1]
     if x.shape[-1] != in_features:
         raise ValueError(f"quantized_matmul: x has {x.shape[-1]} features but the weight expects {in_features}")
     lead_shape = x.shape[:-1]
@@ -389,14 +401,13 @@ def quantized_matmul(
     if num_rows == 0:
         return jnp.zeros((*lead_shape, out_features), x.dtype)
     tiling = matmul_tiling(
-        w.scheme, w.group_size, in_features, out_features, num_rows, block_m=block_m, block_n=block_n,
+        scheme, group_size, in_features, out_features, num_rows, block_m=block_m, block_n=block_n,
         block_k=block_k, split_k=split_k, num_warps=num_warps, num_stages=num_stages,
     )
 
     x2d = x.reshape(num_rows, in_features)
-    if w.scheme == "int4":
+    if scheme == "int4":
         x2d = x2d.reshape(num_rows, in_features // 2, 2)  # [..., 0]: even columns, [..., 1]: odd; no copy
-    data, scales, offsets = w.data, w.scales, w.offsets
     if not stacked:
         # A leading layer axis of 1 by reshape (a bitcast in XLA, never a copy).
         data, scales = data.reshape(1, *data.shape), scales.reshape(1, *scales.shape)
@@ -409,7 +420,7 @@ def quantized_matmul(
     else:
         out_shape = jax.ShapeDtypeStruct((tiling.split_k, num_rows, out_features), jnp.float32)
     kernel = functools.partial(
-        _matmul_kernel, scheme=w.scheme, group_size=w.group_size, in_features=in_features, tiling=tiling,
+        _matmul_kernel, scheme=scheme, group_size=group_size, in_features=in_features, tiling=tiling,
         compute_dtype=x.dtype,
     )
     whole = pl.BlockSpec()  # no block_shape: the kernel indexes the whole array itself
@@ -421,7 +432,7 @@ def quantized_matmul(
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
-        name=(f"quantized_matmul_{w.scheme}_g{w.group_size}_m{tiling.block_m}n{tiling.block_n}"
+        name=(f"quantized_matmul_{scheme}_g{group_size}_m{tiling.block_m}n{tiling.block_n}"
               f"k{tiling.block_k}s{tiling.split_k}"),
     )(layer_index, x2d, data, scales, offsets)
     if tiling.split_k > 1:
@@ -429,11 +440,20 @@ def quantized_matmul(
     return out.reshape(*lead_shape, out_features)
 
 
-@jax.jit
-def quantized_matmul_reference(x, w: QuantizedTensor):
-    """x @ dequantize(w) in float32 (IEEE), cast to x.dtype."""
-    y = jnp.matmul(x.astype(jnp.float32), dequantize(w, jnp.float32), precision=lax.Precision.HIGHEST)
+@functools.partial(jax.jit, static_argnames=("scheme", "group_size"))
+def quantized_matmul_reference(x, data, scales, offsets=None, *, scheme: str, group_size: int):
+    """x @ w in float32 (IEEE), cast to x.dtype, with w dequantized in plain
+    jnp from the layout of the module docstring (one 2-D weight)."""
+    q = data.astype(jnp.float32)
+    if scheme == "int4":  # byte j holds logical rows 2j (low nibble) and 2j + 1 (high)
+        q = jnp.stack([data & 0x0F, data >> 4], axis=1).reshape(-1, data.shape[-1]).astype(jnp.float32)
+    groups = q.shape[0] // group_size
+    w = q.reshape(groups, group_size, -1) * scales[:, None, :]
+    if offsets is not None:
+        w = w + offsets[:, None, :]
+    y = jnp.matmul(x.astype(jnp.float32), w.reshape(q.shape), precision=lax.Precision.HIGHEST)
     return y.astype(x.dtype)
 
 
-__all__ = ["MAX_ROWS", "MatmulTiling", "matmul_tiling", "quantized_matmul", "quantized_matmul_reference", "supports"]
+__all__ = ["MAX_ROWS", "SCHEMES", "MatmulTiling", "in_features_of", "matmul_tiling", "quantized_matmul",
+           "quantized_matmul_reference", "supports"]

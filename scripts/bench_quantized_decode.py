@@ -67,7 +67,13 @@ from jaxinfer.models.llama import compute_logits, forward, param_shapes  # noqa:
 from jaxinfer.models.paged_attention import PagedAttentionMetadata, paged_cache_attention  # noqa: E402
 from jaxinfer.quant.schemes import quantize  # noqa: E402
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize  # noqa: E402
-from pallas_kernels.quantized_matmul import matmul_tiling, quantized_matmul  # noqa: E402
+from pallas_kernels import quantized_matmul as kernel  # noqa: E402
+from pallas_kernels.quantized_matmul import matmul_tiling  # noqa: E402
+
+
+def quantized_matmul(x, q, **kwargs):
+    """The kernel on a QuantizedTensor's arrays."""
+    return kernel.quantized_matmul(x, q.data, q.scales, q.offsets, scheme=q.scheme, group_size=q.group_size, **kwargs)
 
 LLAMA3_8B = ModelConfig(
     architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,

@@ -1,4 +1,4 @@
-"""AWQ (quant/awq.py): the folded scales keep the float function exactly, the
+"""AWQ (jaxinfer/calibration.py): the folded scales keep the float function exactly, the
 search beats round-to-nearest on the real default model on held-out text,
 and the result is int4 QuantizedTensors with the requested groups."""
 
@@ -13,7 +13,7 @@ import pytest
 import jaxinfer
 from jaxinfer.model import Model
 from jaxinfer.models.layers import rms_norm
-from jaxinfer.quant.awq import (
+from jaxinfer.calibration import (
     LINEAR_KEYS,
     CLIP_RATIOS,
     CLIPPED_KEYS,

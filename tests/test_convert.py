@@ -201,7 +201,7 @@ def test_default_model_int8_checkpoint(default_llm, tmp_path):
 def test_awq_convert_round_trip(tiny, tiny_src, tmp_path, monkeypatch):
     """int4-awq: the calibration text reaches AWQ as token batches of the model's tokenizer, and what
     AWQ returned is what the checkpoint restores (AWQ runs once: it is the slow part)."""
-    from jaxinfer.quant import awq
+    from jaxinfer import calibration as awq
 
     calls, real = [], awq.awq_quantize_params
 

@@ -17,13 +17,22 @@ import pytest
 
 from jaxinfer.quant.schemes import quantize
 from jaxinfer.quant.tensor import QuantizedTensor
-from pallas_kernels.quantized_matmul import (
-    MAX_ROWS,
-    matmul_tiling,
-    quantized_matmul,
-    quantized_matmul_reference,
-    supports,
-)
+from pallas_kernels import quantized_matmul as kernel
+from pallas_kernels.quantized_matmul import MAX_ROWS, matmul_tiling
+
+
+# The kernel takes plain arrays; the tests build QuantizedTensors (the layout
+# jaxinfer stores) and unpack them here.
+def quantized_matmul(x, w: QuantizedTensor, **kwargs):
+    return kernel.quantized_matmul(x, w.data, w.scales, w.offsets, scheme=w.scheme, group_size=w.group_size, **kwargs)
+
+
+def quantized_matmul_reference(x, w: QuantizedTensor):
+    return kernel.quantized_matmul_reference(x, w.data, w.scales, w.offsets, scheme=w.scheme, group_size=w.group_size)
+
+
+def supports(w: QuantizedTensor, num_rows: int) -> bool:
+    return kernel.supports(w.data, w.scheme, w.group_size, num_rows)
 
 
 def random_weight(rng, scheme, in_features, out_features, group_size=None, num_layers=None):
@@ -166,7 +175,7 @@ def test_supports():
     assert not supports(random_weight(rng, "int8", 64, 32, group_size=8), 1)  # a tile would cross groups
     assert not supports(random_weight(rng, "int4", 64, 32, group_size=16), 1)  # 8 packed rows < 16
     assert not supports(random_weight(rng, "int8", 64, 32, num_layers=2), 1)  # a stack needs layer_index
-    assert not supports(jnp.zeros((64, 32), jnp.bfloat16), 1)
+    assert not kernel.supports(jnp.zeros((64, 32), jnp.int8), "int3", 64, 1)  # no such scheme
     with pytest.raises(ValueError, match="group_size 16 must be a multiple of 32"):
         quantized_matmul(jnp.zeros((1, 64)), random_weight(rng, "int4", 64, 32, group_size=16), interpret=True)
     with pytest.raises(ValueError, match="x has 63 features"):

@@ -65,26 +65,41 @@ def decoder_layer(p: dict, config: ModelConfig, x, positions, inv_freq, attentio
     (the per-layer dicts above without the leading L axis); returns (x, kv_cache).
     Shared by the model body and the EAGLE draft head (engine/spec/eagle_head.py)."""
     c = config
-    batch, seq = x.shape[:2]
-
-    def project(h, w, b):
-        y = linear(h, w)
-        return y if b is None else y + b
-
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-    q = project(h, p["wq"], p.get("bq")).reshape(batch, seq, c.num_heads, c.head_dim)
-    k = project(h, p["wk"], p.get("bk")).reshape(batch, seq, c.num_kv_heads, c.head_dim)
-    v = project(h, p["wv"], p.get("bv")).reshape(batch, seq, c.num_kv_heads, c.head_dim)
+    values, kv_cache = attention_values(p, c, h, positions, inv_freq, attention, kv_cache, layer_index)
+    x = x + linear(values, p["wo"])
+    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+    return x + linear(mlp_hidden(p, h), p["w_down"]), kv_cache
+
+
+def attention_values(p: dict, config: ModelConfig, h, positions, inv_freq, attention: AttentionFn, kv_cache,
+                     layer_index):
+    """The attention of one layer on its normed input h [B, T, hidden]: the
+    values before wo [B, T, heads * head_dim], and the cache. A piece of its
+    own because AWQ calibration (jaxinfer/calibration.py) scales its inputs."""
+    c = config
+    batch, seq = h.shape[:2]
+
+    def project(w, b, heads):
+        y = linear(h, p[w])
+        y = y if b not in p else y + p[b]
+        return y.reshape(batch, seq, heads, c.head_dim)
+
+    q = project("wq", "bq", c.num_heads)
+    k = project("wk", "bk", c.num_kv_heads)
+    v = project("wv", "bv", c.num_kv_heads)
     if c.qk_norm:
         q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    attn, kv_cache = attention(q, k, v, kv_cache, layer_index)
-    x = x + linear(attn.reshape(batch, seq, c.num_heads * c.head_dim), p["wo"])
-    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-    x = x + linear(jax.nn.silu(linear(h, p["w_gate"])) * linear(h, p["w_up"]), p["w_down"])
-    return x, kv_cache
+    out, kv_cache = attention(q, k, v, kv_cache, layer_index)
+    return out.reshape(batch, seq, c.num_heads * c.head_dim), kv_cache
+
+
+def mlp_hidden(p: dict, h):
+    """The MLP's activations before w_down: silu(h @ w_gate) * (h @ w_up)."""
+    return jax.nn.silu(linear(h, p["w_gate"])) * linear(h, p["w_up"])
 
 
 def forward(params: dict, config: ModelConfig, tokens, positions, attention: AttentionFn, kv_cache=None,

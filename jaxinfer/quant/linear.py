@@ -63,8 +63,9 @@ def linear(x: jax.Array, w) -> jax.Array:
     if jax.default_backend() == "gpu" and rows <= PALLAS_MAX_ROWS:
         from pallas_kernels import quantized_matmul
 
-        if quantized_matmul.supports(w, rows):
-            y = quantized_matmul.quantized_matmul(x2d, w)
+        if quantized_matmul.supports(w.data, w.scheme, w.group_size, rows):
+            y = quantized_matmul.quantized_matmul(x2d, w.data, w.scales, w.offsets, scheme=w.scheme,
+                                                  group_size=w.group_size)
     if y is None:
         y = _xla_linear(x2d, w)
     return y.astype(x.dtype).reshape(*lead, w.out_features)

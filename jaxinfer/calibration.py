@@ -1,4 +1,5 @@
-"""AWQ: activation-aware int4 weight quantization (Lin et al. 2023).
+"""Calibration at conversion time: AWQ, activation-aware int4 weight
+quantization (Lin et al. 2023).
 
 A few input channels of each linear carry much larger activations than the
 rest, and the rounding error of the weight rows they multiply dominates the
@@ -52,7 +53,8 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
-from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq
+from jaxinfer.models.layers import rms_norm, rope_inv_freq
+from jaxinfer.models.llama import attention_values, decoder_layer, mlp_hidden
 from jaxinfer.quant.schemes import quantize_int4
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize
 
@@ -144,40 +146,26 @@ def fold_scales(layer: dict, config: ModelConfig, scales: dict) -> dict:
 
 
 def layer_forward(layer: dict, config: ModelConfig, x, positions, valid):
-    """One transformer layer as models/llama.py computes it (full-sequence
-    causal attention), on float weights: x [B, T, hidden] -> [B, T, hidden]."""
-    h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-    x = x + _attention_values(layer, config, h, positions, valid) @ layer["wo"]
-    h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
-    return x + _mlp_hidden(layer, h) @ layer["w_down"]
+    """One transformer layer as the model computes it (models/llama.py), with
+    full-sequence causal attention over the real tokens: x [B, T, hidden] ->
+    [B, T, hidden]."""
+    return decoder_layer(layer, config, x, positions, rope_inv_freq(config), _causal(config, positions, valid),
+                         None, 0)[0]
 
 
 def _attention_values(layer, config: ModelConfig, h, positions, valid):
     """The attention output before wo: [B, T, num_heads * head_dim]."""
-    c = config
-    batch, seq, _ = h.shape
-
-    def project(w, b, heads):
-        y = h @ layer[w]
-        if b in layer:
-            y = y + layer[b]
-        return y.reshape(batch, seq, heads, c.head_dim)
-
-    q = project("wq", "bq", c.num_heads)
-    k = project("wk", "bk", c.num_kv_heads)
-    v = project("wv", "bv", c.num_kv_heads)
-    if c.qk_norm:
-        q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)
-    inv_freq = rope_inv_freq(c)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
-    out = attention_reference(q, k, v, positions, positions, k_valid=valid, sliding_window=c.sliding_window)
-    return out.reshape(batch, seq, c.num_heads * c.head_dim)
+    return attention_values(layer, config, h, positions, rope_inv_freq(config), _causal(config, positions, valid),
+                            None, 0)[0]
 
 
-def _mlp_hidden(layer, h):
-    return jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])
+def _causal(config: ModelConfig, positions, valid):
+    """Causal attention among a batch's tokens, padding (valid False) masked out."""
+    def attend(q, k, v, kv_cache, layer_index):
+        out = attention_reference(q, k, v, positions, positions, k_valid=valid, sliding_window=config.sliding_window)
+        return out, kv_cache
+
+    return attend
 
 
 def _v_scales_to_o_rows(o, config: ModelConfig):
@@ -324,7 +312,7 @@ def _awq_layer(layer, x, positions, valid, alphas, *, config: ModelConfig, group
     values = _attention_values(layer, c, h_attn, positions, valid)
     attn_out = values @ layer["wo"]
     h_mlp = rms_norm(x + attn_out, layer["mlp_norm"], c.rms_norm_eps)
-    hidden = _mlp_hidden(layer, h_mlp)
+    hidden = mlp_hidden(layer, h_mlp)
     mlp_out = hidden @ layer["w_down"]
 
     def qkv_loss(s):
@@ -337,7 +325,7 @@ def _awq_layer(layer, x, positions, valid, alphas, *, config: ModelConfig, group
 
     def gate_up_loss(s):
         scaled = dict(layer, **{k: fake_quant(layer[k] * s[:, None]) for k in ("w_gate", "w_up")})
-        return mse(_mlp_hidden(scaled, h_mlp / s) @ layer["w_down"], mlp_out)
+        return mse(mlp_hidden(scaled, h_mlp / s) @ layer["w_down"], mlp_out)
 
     def down_loss(s):
         return mse((hidden / s) @ fake_quant(layer["w_down"] * s[:, None]), mlp_out)
