@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "jaxinfer.llm",
-    "load": "jaxinfer.model",
-    "Model": "jaxinfer.model",
+    "load": "jaxinfer.loading.model",
+    "Model": "jaxinfer.loading.model",
     "SamplingParams": "jaxinfer.sampling_params",
     "InvalidSamplingParameter": "jaxinfer.sampling_params",
     "RequestOutput": "jaxinfer.outputs",

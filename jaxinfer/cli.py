@@ -7,9 +7,20 @@ import sys
 import time
 
 
+def _add_quantization_args(parser: argparse.ArgumentParser) -> None:
+    """--quantization and --kv-cache-dtype, shared by generate, bench and ppl."""
+    parser.add_argument("--quantization", default=None, choices=["gguf", "int8", "int4", "fp8"],
+                        help="weights: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks quantized; int8/int4/fp8 "
+                             "quantize the linear weights at load time (default: as stored; GGUF blocks "
+                             "dequantized to --dtype)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                        help="auto: the model's dtype; int8/fp8: K/V with a float32 scale per token and KV head")
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_quantization_args(parser)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "pallas_interpret"],
                         help="default: pallas on GPU, xla elsewhere")
@@ -30,6 +41,11 @@ def _parallel_options(args) -> dict:
     return dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
 
 
+def _quantization_options(args) -> dict:
+    """LLM(...) keywords: quantization for load(), kv_cache_dtype for the engine."""
+    return dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+
+
 def _generate(args) -> int:
     from jaxinfer import LLM, SamplingParams
     from jaxinfer.sampling_params import InvalidSamplingParameter
@@ -43,7 +59,7 @@ def _generate(args) -> int:
         return 2
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-              **_parallel_options(args))
+              **_quantization_options(args), **_parallel_options(args))
     loaded = time.perf_counter()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
@@ -77,7 +93,7 @@ def _bench(args) -> int:
     if args.speculative_method:
         options["speculative"] = {"method": args.speculative_method,
                                   "num_speculative_tokens": args.num_speculative_tokens}
-    llm = LLM(args.model, dtype=args.dtype, **options, **_parallel_options(args))
+    llm = LLM(args.model, dtype=args.dtype, **options, **_quantization_options(args), **_parallel_options(args))
     if args.kind == "throughput":
         requests = synthetic_requests(llm.model.config.vocab_size, args.num_prompts, args.input_len, args.output_len,
                                       args.range_ratio, args.prefix_len, args.seed)
@@ -124,7 +140,7 @@ def _ppl(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX/XLA inference for Llama-family models")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="complete prompts (or chat with --chat)")
@@ -178,12 +194,14 @@ def main(argv=None) -> int:
     ppl.add_argument("file", metavar="FILE")
     ppl.add_argument("--context-len", type=int, default=None, help="tokens per window (default min(model max, 1024))")
     ppl.add_argument("--stride", type=int, default=None, help="window advance (default context_len // 2)")
-    ppl.add_argument("--quantization", default=None, choices=["gguf", "int8", "int4", "fp8"],
-                     help="quantize the weights at load time")
-    ppl.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
+    _add_quantization_args(ppl)
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ppl.set_defaults(func=_ppl)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         from jaxinfer.parallel.distributed import initialize
 

@@ -74,7 +74,7 @@ def convert(src, out_dir, quantize: str = "none", group_size: int | None = None,
     quantize: none | int8 | int4 | int4-awq | fp8 (linear weights of every layer; the head too
     with include_head). dtype: of everything left unquantized.
     """
-    from jaxinfer.model import load
+    from jaxinfer.loading.model import load
 
     _check_options(quantize, group_size, calibration, include_head)
     if Path(out_dir).expanduser().exists() and not overwrite:  # before minutes of loading, not after
@@ -89,7 +89,7 @@ def convert_model(model, out_dir, quantize: str = "none", group_size: int | None
     import jax.numpy as jnp
 
     from jaxinfer.loading.orbax import save_checkpoint
-    from jaxinfer.model import Model
+    from jaxinfer.loading.model import Model
     from jaxinfer.quant.params import params_nbytes
 
     _check_options(quantize, group_size, calibration, include_head)

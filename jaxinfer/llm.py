@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
-from jaxinfer.model import load
+from jaxinfer.loading.model import load
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 

@@ -221,7 +221,6 @@ def specs_group():
     replication with biases and tied embeddings, and that loading hands
     devices only their slices."""
     from jaxinfer.convert import convert
-    from jaxinfer.parallel import placement
 
     directory = save_hf_model(make_hf_model("llama_tp", seed=7), tempfile.mkdtemp())
     mesh8 = replica_meshes(8)[0]

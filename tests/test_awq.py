@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxinfer
-from jaxinfer.model import Model
+from jaxinfer.loading.model import Model
 from jaxinfer.models.layers import rms_norm
 from jaxinfer.calibration import (
     LINEAR_KEYS,

@@ -169,7 +169,7 @@ def test_llm_generates_from_checkpoint(tiny, tiny_ckpts):
     forwards of the independently quantized params."""
     llm = LLM(str(tiny_ckpts["int8"]), max_model_len=64, block_size=4, max_num_seqs=2,
               max_num_batched_tokens=32, progress=False)
-    reference = jaxinfer.model.Model(tiny.config, quantize_params(tiny.params, "int8"), tiny.tokenizer, tiny.dtype)
+    reference = jaxinfer.loading.model.Model(tiny.config, quantize_params(tiny.params, "int8"), tiny.tokenizer, tiny.dtype)
     for prompt, out in ((tiny.tokenizer.encode("Lighthouses guide ships"), llm.generate(
             "Lighthouses guide ships", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)),
             (tiny.tokenizer.encode(tiny.tokenizer.apply_chat_template(CHAT), add_special_tokens=False),
@@ -286,7 +286,7 @@ def test_consistent_manifest_over_wrong_arrays_is_refused(damaged, tiny, tiny_ck
     """The int4 (group 64) checkpoint's params/ replaced by another checkpoint's, with a manifest that
     matches the new files: sizes and checksums pass, and the arrays on disk are still refused."""
     if other == "int4-g32":
-        save_checkpoint(jaxinfer.model.Model(tiny.config, quantize_params(tiny.params, "int4", 32), None, tiny.dtype),
+        save_checkpoint(jaxinfer.loading.model.Model(tiny.config, quantize_params(tiny.params, "int4", 32), None, tiny.dtype),
                         tmp_path / other, progress=False)
     source = tiny_ckpts.get(other, tmp_path / other)
     shutil.rmtree(damaged / "params")
@@ -329,7 +329,7 @@ def test_interrupted_write_leaves_nothing(tiny, tmp_path, monkeypatch):
     save_checkpoint(tiny, tmp_path / "out", progress=False)
     with pytest.raises(FileExistsError, match="already exists"):
         save_checkpoint(tiny, tmp_path / "out", progress=False)
-    tiny_int8 = jaxinfer.model.Model(tiny.config, quantize_params(tiny.params, "int8"), tiny.tokenizer, tiny.dtype)
+    tiny_int8 = jaxinfer.loading.model.Model(tiny.config, quantize_params(tiny.params, "int8"), tiny.tokenizer, tiny.dtype)
     save_checkpoint(tiny_int8, tmp_path / "out", progress=False, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     same_params(jaxinfer.load(str(tmp_path / "out"), progress=False).params, tiny_int8.params)

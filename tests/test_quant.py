@@ -12,7 +12,7 @@ import pytest
 import jaxinfer
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.loading.gguf import blocks_to_quantized
-from jaxinfer.model import Model
+from jaxinfer.loading.model import Model
 from jaxinfer.quant.linear import linear
 from jaxinfer.quant.params import LINEAR_KEYS, params_nbytes, quantize_params
 from jaxinfer.quant.schemes import quantize

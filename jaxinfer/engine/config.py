@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jaxinfer.engine.spec.config import SpeculativeConfig
-from jaxinfer.model import Model
+from jaxinfer.loading.model import Model
 from jaxinfer.models import kv_cache
 from jaxinfer.models.paged_attention import ATTENTION_BACKENDS
 

@@ -27,7 +27,7 @@ from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.spec.proposer import build_proposer
 from jaxinfer.errors import RequestError
-from jaxinfer.model import Model
+from jaxinfer.loading.model import Model
 from jaxinfer.models import kv_cache
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import SamplingParams

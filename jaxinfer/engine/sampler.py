@@ -2,7 +2,7 @@
 (and requested logprobs) cross to the host.
 
 Each batch row is an independent request with its own parameters; the
-semantics are those of the float64 host reference `jaxinfer.sampling`
+semantics are those of the float64 host reference tests/reference_sampler.py
 (penalties, then logprobs of the penalised logits, then greedy argmax or
 temperature, top-k, top-p, min-p and one categorical draw), computed in
 float32. Every filter is a per-row threshold comparison, so ties behave as
@@ -186,7 +186,7 @@ def _top_p(x, top_p, use_p):
 
 
 def filter_logits(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """Batched `jaxinfer.sampling.filter_logits`: removed tokens become -inf.
+    """Batched `filter_logits` of tests/reference_sampler.py: removed tokens become -inf.
 
     x is already divided by the temperature. Top-k and top-p are threshold
     searches, each skipped (lax.cond) when no row uses it. Min-p needs no

@@ -40,7 +40,7 @@ from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.spec.config import SpeculativeConfig
 from jaxinfer.engine.spec.proposer import Proposer
-from jaxinfer.model import Model, load
+from jaxinfer.loading.model import Model, load
 from jaxinfer.models import kv_cache
 
 
