@@ -53,16 +53,17 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
         )
+        # The draft model's pool has as many blocks as the target's.
+        self.proposer = build_proposer(spec, draft or model, config, num_blocks, progress)
+        self.scheduler.on_release = self.proposer.release
         self.runner = ModelRunner(
             model.config, model.params, cache, config.block_size, config.max_model_len, config.max_num_seqs,
-            config.max_num_batched_tokens, config.attention_backend, config.num_speculative_tokens, mesh=model.mesh,
+            config.max_num_batched_tokens, config.attention_backend, config.num_speculative_tokens,
+            with_features=self.proposer.needs_features, mesh=model.mesh,
         )
         self.runner.warmup(progress)
         self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.tokenizer,
                                                 config.max_model_len)
-        # The draft model's pool has as many blocks as the target's.
-        self.proposer = build_proposer(spec, draft or model, config, num_blocks, progress)
-        self.scheduler.on_release = self.proposer.release
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()

@@ -1,8 +1,10 @@
 """The pure jitted programs of a step; engine/runner.py picks, counts and runs them.
 
-    forward  tokens -> logits at the rows that sample, the pre-norm hidden
-             state of every row (an EAGLE proposer drafts from it) and the
-             updated KV pool (donated, so written in place). Static per
+    forward  tokens -> logits at the rows that sample, the updated KV pool
+             (donated, so written in place) and, with_features, the pre-norm
+             hidden state of every row (an EAGLE proposer drafts from it;
+             a variant, because returning it made a batch-8 CPU decode step
+             of the default model ~20% slower). Static per
              (tokens, seqs) bucket and per layout:
                "decode"  one new token per sequence (the Pallas backend
                          serves it with the split-k decode kernel)
@@ -77,10 +79,11 @@ def _attention(attn_meta, config: ModelConfig, backend: str, layout: str, num_to
     return paged_cache_attention(attn_meta, config.sliding_window, backend, layout == "decode", mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "layout", "mesh"), donate_argnames=("kv_cache",))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "layout", "with_features", "mesh"),
+                   donate_argnames=("kv_cache",))
 def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, *, config: ModelConfig, backend: str,
-                 layout: str, mesh=None):
-    """-> (logits [len(logits_indices), V], pre-norm hidden [T, hidden], kv_cache)."""
+                 layout: str, with_features: bool = False, mesh=None):
+    """-> (logits [len(logits_indices), V], pre-norm hidden [T, hidden] or None, kv_cache)."""
     attention = _attention(attn_meta, config, backend, layout, tokens.shape[0], mesh)
     pre, kv_cache = forward(params, config, tokens[None], attn_meta.positions[None], attention, kv_cache,
                             final_norm=False)
@@ -88,7 +91,8 @@ def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, *, config:
     # Logits only where a token is sampled. On a mesh they come out split on
     # vocab; the sampler needs whole rows, so gather them here, once, in a
     # sharding the sampler's programs are compiled for.
-    return _gathered_logits(compute_logits(params, hidden[logits_indices]), mesh), pre[0], kv_cache
+    features = pre[0] if with_features else None
+    return _gathered_logits(compute_logits(params, hidden[logits_indices]), mesh), features, kv_cache
 
 
 @functools.partial(jax.jit, static_argnames=("with_penalties", "mesh"))

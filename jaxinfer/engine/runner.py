@@ -47,18 +47,21 @@ class StepOutput(NamedTuple):
     logprobs: np.ndarray | None
     logprob_token_ids: np.ndarray | None
     sampled_rank: np.ndarray | None
-    # Device [T, hidden]: the pre-norm hidden state of every row, which an EAGLE
-    # proposer drafts from; sequence i's rows are row_start[i]:row_start[i + 1].
-    features: jax.Array
+    # Device [T, hidden], for a runner built with_features (else None): the
+    # pre-norm hidden state of every row, which an EAGLE proposer drafts from;
+    # sequence i's rows are row_start[i]:row_start[i + 1].
+    features: jax.Array | None
     row_start: np.ndarray
 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params, kv_cache, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, attention_backend: str = "xla",
-                 num_speculative_tokens: int = 0, sampling: bool = True, mesh=None):
+                 num_speculative_tokens: int = 0, sampling: bool = True, with_features: bool = False,
+                 mesh=None):
         """sampling=False: forward programs only (a draft model's runner, whose
-        proposer takes its own argmax of the logits)."""
+        proposer takes its own argmax of the logits). with_features: steps
+        return StepOutput.features (what a proposer's `needs_features` asks)."""
         self.config = config
         # The ("model",) mesh params and kv_cache are sharded over, or None (one device).
         self.mesh = mesh
@@ -68,6 +71,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_speculative_tokens = num_speculative_tokens
         self.sampling = sampling
+        self.with_features = with_features
         # A padded verify row sits at a position up to K beyond the sequence;
         # its table entry must exist (it reads the null block).
         self.max_blocks_per_seq = -(-(max_model_len + num_speculative_tokens) // block_size)
@@ -162,7 +166,7 @@ class ModelRunner:
         tokens, meta, logits_indices = self._put(inputs[:3])
         logits, features, self.kv_cache = forward_step(
             self.params, self.kv_cache, tokens, meta, logits_indices, config=self.config,
-            backend=self.attention_backend, layout=inputs.layout, mesh=self.mesh,
+            backend=self.attention_backend, layout=inputs.layout, with_features=self.with_features, mesh=self.mesh,
         )
         return logits, features
 

@@ -87,6 +87,8 @@ def draft_tokens(head, target_params, tokens, features, first_position, lengths,
 
 
 class EagleProposer(Proposer):
+    needs_features = True
+
     def __init__(self, target, engine_config, spec, progress: bool = True):
         super().__init__(spec.num_speculative_tokens, engine_config.max_model_len)
         self.target = target

@@ -21,6 +21,7 @@ A proposer implements:
     release(seq)        the sequence was preempted, finished or aborted (optional)
     programs()          what its warm-up compiled; num_compilations, device_time
                         for LLMEngine.stats()
+    needs_features      whether update() reads the target's features
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from jaxinfer.engine.spec.config import SpeculativeConfig
 class Proposer:
     num_compilations = 0
     device_time = 0.0
+    # Whether update() reads StepOutput.features (the target's runner then returns them).
+    needs_features = False
 
     def __init__(self, num_speculative_tokens: int, max_model_len: int):
         self.k = num_speculative_tokens
