@@ -9,10 +9,11 @@ import time
 
 def _add_quantization_args(parser: argparse.ArgumentParser) -> None:
     """--quantization and --kv-cache-dtype, shared by generate, bench and ppl."""
-    parser.add_argument("--quantization", default=None, choices=["gguf", "int8", "int4", "fp8"],
+    parser.add_argument("--quantization", default=None, choices=["gguf", "int8", "int4", "fp8", "w8a8"],
                         help="weights: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks quantized; int8/int4/fp8 "
-                             "quantize the linear weights at load time (default: as stored; GGUF blocks "
-                             "dequantized to --dtype)")
+                             "quantize the linear weights at load time; w8a8 quantizes the linear weights "
+                             "and the head to int8 and the activations to int8 per token on the fly "
+                             "(default: as stored; GGUF blocks dequantized to --dtype)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                         help="auto: the model's dtype; int8/fp8: K/V with a float32 scale per token and KV head")
 

@@ -22,8 +22,9 @@ class LLM:
 
     model: None (the embedded SmolLM2-135M-Instruct), a HF directory or a .gguf file.
     quantization: None (float weights), "gguf" (keep a GGUF file's Q8_0 / Q4_0 / Q4_1
-    weights quantized), or "int8" | "int4" | "fp8" (quantize the linear weights at
-    load time); see `load`.
+    weights quantized), "int8" | "int4" | "fp8" (quantize the linear weights at
+    load time), or "w8a8" (int8 weights and head, int8 activations: fastest on CPU,
+    changes the numbers); see `load`.
     engine_options: max_model_len, block_size, num_kv_blocks, kv_cache_memory_fraction,
     max_num_seqs, max_num_batched_tokens, enable_prefix_caching, scheduling_policy,
     attention_backend ("xla", "pallas", "pallas_interpret"; default pallas on GPU, xla elsewhere),

@@ -133,7 +133,7 @@ def weight_bytes_per_step(params: dict) -> int:
     """Bytes of weights one decode step reads: every leaf, except that an untied
     embedding table is only gathered from (one row per token)."""
     total = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params))
-    if "lm_head" in params:
+    if "lm_head" in params and "embed" in params:
         total -= sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params["embed"]))
     return total
 
@@ -321,8 +321,8 @@ def report(decode, prefill, read_gbs) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--schemes", default="none,gguf,int8",
-                        help="jaxinfer weight schemes: none (float32), gguf, int8, int4, fp8 (default %(default)s)")
+    parser.add_argument("--schemes", default="none,gguf,int8,w8a8",
+                        help="jaxinfer weight schemes: none (float32), gguf, int8, int4, fp8, w8a8 (default %(default)s)")
     parser.add_argument("--batch-sizes", default="1,8,32,64", help="decode batch sizes (default %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence when decoding")
     parser.add_argument("--output-len", type=int, default=64, help="greedy tokens per sequence (>= 2)")

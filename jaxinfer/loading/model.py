@@ -88,7 +88,11 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
     with 32-row groups, other types dequantized), or "int8" | "int4" | "fp8"
     (round-to-nearest of the float32 linear weights at load time: int8 / fp8
     per output channel, int4 in groups of 128 rows or fewer, see
-    quant/params.py; the embedding, head and norms stay float).
+    quant/params.py; the embedding, head and norms stay float), or "w8a8"
+    (int8 per channel for the linear weights and the head, a tied model's
+    lookup reading the head; activations quantized to int8 per row on the fly,
+    quant/linear.py: the fastest scheme on CPU, opt-in because it changes the
+    numbers, see BENCHMARKS.md for its perplexity).
 
     mesh: None (one device), or a ("model",) mesh (parallel/mesh.py): every
     weight is loaded or restored straight into its shards (parallel/sharding.py)."""

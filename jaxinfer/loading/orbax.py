@@ -44,7 +44,7 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "jaxinfer_config.json"
 PARAMS_DIR = "params"
 _PARTS = ("data", "scales", "offsets")
-_PART_DTYPES = {"int8": "int8", "int4": "uint8", "fp8": "float8_e4m3fn"}
+_PART_DTYPES = {"int8": "int8", "int4": "uint8", "fp8": "float8_e4m3fn", "w8a8": "int8"}
 _HASH_CHUNK = 16 << 20
 QUANTIZABLE = (*(f"layers/{key}" for key in LINEAR_KEYS), "lm_head")
 

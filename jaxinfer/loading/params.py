@@ -9,9 +9,11 @@ host memory never holds more than one tensor.
 
 Linear weights may come out as QuantizedTensors (quant/tensor.py), stacked
 per layer like arrays: `quantization="gguf"` keeps a GGUF file's Q8_0 / Q4_0 /
-Q4_1 blocks (sources offering `get_quantized`), and "int8" | "int4" | "fp8"
-quantize each float32 weight as it is read (round to nearest, as
-quant/params.py's quantize_params; the head stays float).
+Q4_1 blocks (sources offering `get_quantized`), and "int8" | "int4" | "fp8" |
+"w8a8" quantize each float32 weight as it is read (round to nearest, as
+quant/params.py's quantize_params; the head stays float except for the
+HEAD_SCHEMES, where it is quantized too and a tied model keeps no float
+embedding table).
 
 With a mesh (tensor parallelism, parallel/), every tensor goes straight into
 its shards: each device gets only its slice of the host tensor
@@ -38,7 +40,7 @@ from tqdm.auto import tqdm
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.llama import param_shapes
-from jaxinfer.quant.params import LINEAR_KEYS, quantize_weight
+from jaxinfer.quant.params import HEAD_SCHEMES, LINEAR_KEYS, quantize_weight
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -143,12 +145,12 @@ class _Placement:
         q = self.expand(path, q)
         return put_tree(q, self.shardings(path, q, layer))
 
-    def quantize(self, path: str, w: jax.Array, quantization: str, name: str) -> QuantizedTensor:
+    def quantize(self, path: str, w: jax.Array, quantization: str, name: str, layer: bool = True) -> QuantizedTensor:
         # Sharded RTN: scales of a row-parallel weight reduce across shards (GSPMD).
         from jaxinfer.parallel.placement import Hashable
 
         fn = functools.partial(quantize_weight, scheme=quantization, name=name)
-        out = self.shardings(path, jax.eval_shape(fn, w), layer=True)
+        out = self.shardings(path, jax.eval_shape(fn, w), layer=layer)
         return _sharded_quantizer(quantization, Hashable(out))(w)
 
     def stack(self, path: str, per_layer: list):
@@ -254,7 +256,9 @@ def build_params(
         # Load-time RTN leaves the head float (quantize_params' include_head
         # default); a GGUF head stored quantized stays as stored.
         head = _read_direct(source, name, shape, placement, key) if key == "lm_head" and quantization == "gguf" else None
-        params[key] = head if head is not None else _read(source, name, transpose, shape, dtype, placement, key)
+        # A head quantized below is read in float32, so it is rounded once.
+        read_dtype = np.float32 if quantization in HEAD_SCHEMES and key in ("embed", "lm_head") else dtype
+        params[key] = head if head is not None else _read(source, name, transpose, shape, read_dtype, placement, key)
         bar.update()
     layers = {}
     for key, shape in shapes["layers"].items():
@@ -279,4 +283,15 @@ def build_params(
         del per_layer  # free the unstacked copies before the next weight
     params["layers"] = layers
     bar.close()
+    if quantization in HEAD_SCHEMES:
+        params["lm_head"] = _quantized_head(params, quantization, placement)
     return params
+
+
+def _quantized_head(params: dict, quantization: str, placement: _Placement | None) -> QuantizedTensor:
+    """The head [hidden, vocab] quantized; a tied model's float table leaves `params`."""
+    head = params.pop("lm_head") if "lm_head" in params else params.pop("embed").T
+    head = head.astype(jnp.float32)
+    if placement is None:
+        return quantize_weight(head, quantization, name="lm_head")
+    return placement.quantize("lm_head", head, quantization, "lm_head", layer=False)

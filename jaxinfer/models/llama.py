@@ -20,7 +20,9 @@ activations multiply them from the left (`x @ w`):
 Any linear weight (the seven per-layer ones and lm_head) may instead be a
 QuantizedTensor (quant/tensor.py) of the same logical shape; every matmul goes
 through quant/linear.py, which dispatches on the type. The embedding table
-stays a float array (it is gathered, not multiplied).
+stays a float array (it is gathered, not multiplied), except that a tied model
+whose head is quantized per channel may drop it: each token's embedding is
+then its column of the head (embed_tokens).
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
     """
     c = config
     inv_freq = rope_inv_freq(c)
-    x = params["embed"][tokens]
+    x = embed_tokens(params, tokens)
 
     def layer(carry, per_layer):
         x, kv_cache = carry
@@ -129,6 +131,18 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
     if not final_norm:
         return x, kv_cache
     return rms_norm(x, params["final_norm"], c.rms_norm_eps), kv_cache
+
+
+def embed_tokens(params: dict, tokens):
+    """Embeddings [..., hidden] of int tokens [...], in the params' float dtype.
+    Without a float `embed` table (tied embeddings, head quantized per
+    channel), token t's embedding is column t of the head: data[:, t] times
+    its one scale, the same numbers the head multiplies by."""
+    if "embed" in params:
+        return params["embed"][tokens]
+    head = params["lm_head"]
+    columns = jnp.moveaxis(jnp.take(head.data, tokens, axis=-1), 0, -1).astype(jnp.float32)
+    return (columns * head.scales[0][tokens][..., None]).astype(params["final_norm"].dtype)
 
 
 def compute_logits(params: dict, hidden):

@@ -21,6 +21,20 @@ quant/tensor.py's reference dequantize (whose interleave and jnp.repeat XLA
 does not fuse into the loop body) 369 ms. XLA:CPU also rejects the batched
 per-group dots for bf16 inputs with a float32 result.
 
+  w8a8                     y = ((q(x) @ q) as int32) * x_scale * scales,
+                           q(x) = round(x / x_scale) with x_scale =
+                           absmax(row) / 127: every row of activations is
+                           quantized to int8 on the fly and the dot is an
+                           exact int8 x int8 -> int32 one. XLA:CPU hands such
+                           dots to YNNPACK (VNNI kernels), which never sees a
+                           float copy of the weight; mixed-type dots (float x
+                           int8 cast) are not YNNPACK's, and XLA writes the
+                           cast weight out whole. YNNPACK takes dots of >= 2
+                           rows only (one row goes to XLA's own loop, ~50x
+                           slower for int8), so a single row is padded to two.
+                           Because the int32 accumulation is exact, a row's
+                           result does not depend on the rows beside it.
+
 GPU decode (few rows): the fused Pallas kernel in
 pallas_kernels/quantized_matmul.py where it supports the weight, chosen at
 trace time.
@@ -54,6 +68,8 @@ def linear(x: jax.Array, w) -> jax.Array:
         return x @ w
     if x.shape[-1] != w.in_features:
         raise ValueError(f"linear: x has {x.shape[-1]} features but the weight expects {w.in_features}")
+    if w.scheme == "w8a8":
+        return _w8a8_linear(x, w).astype(x.dtype)
     if w.data.ndim != 2:
         return jnp.matmul(x, dequantize(w, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     lead = x.shape[:-1]
@@ -69,6 +85,20 @@ def linear(x: jax.Array, w) -> jax.Array:
     if y is None:
         y = _xla_linear(x2d, w)
     return y.astype(x.dtype).reshape(*lead, w.out_features)
+
+
+def _w8a8_linear(x, w: QuantizedTensor) -> jax.Array:
+    """x [..., in] -> float32 [..., out] (see the module docstring); w [..., in, out] per channel."""
+    one_row = x.ndim == 2 and x.shape[0] == 1
+    if one_row:
+        x = jnp.concatenate([x, x])
+    x = x.astype(jnp.float32)
+    x_scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
+    x_scale = jnp.where(x_scale > 0, x_scale, 1.0)  # an all-zero row: any scale is exact
+    xq = jnp.round(x / x_scale).astype(jnp.int8)
+    acc = jnp.matmul(xq, w.data, preferred_element_type=jnp.int32)
+    y = acc.astype(jnp.float32) * x_scale * w.scales[..., 0, :][..., None, :]
+    return y[:1] if one_row else y
 
 
 def _xla_linear(x, w: QuantizedTensor) -> jax.Array:

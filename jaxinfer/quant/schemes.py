@@ -7,10 +7,14 @@ int4  asymmetric per group of input rows: the group's [min, max] is split into
       group's extremes are represented exactly.
 fp8   e4m3 with a per-output-channel scale = absmax / 448 (the largest e4m3
       value), q = e4m3(w / scale).
+w8a8  the weights of int8 per channel; the scheme name tells quant/linear.py
+      to quantize the activations too (per row, on the fly).
 All scales are computed in float32; groups run along `in` (see tensor.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 
@@ -63,4 +67,8 @@ def quantize(w, scheme: str, group_size: int | None = None) -> QuantizedTensor:
         return quantize_int4(w, group_size or 128)
     if scheme == "fp8":
         return quantize_fp8(w)
+    if scheme == "w8a8":
+        if group_size not in (None, w.shape[-2]):
+            raise ValueError(f"w8a8 is per output channel only; got group_size {group_size}")
+        return dataclasses.replace(quantize_int8(w), scheme="w8a8")
     raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {SCHEMES}")

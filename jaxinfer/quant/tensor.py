@@ -17,6 +17,11 @@ int4    uint8 [..., in // 2, out]: row 2j in the      0..15                   sc
         high nibble                                                           -zero * scale; GGUF Q4_0:
                                                                               -8 * d, Q4_1: m)
 fp8     float8_e4m3fn [..., in, out]                  data                    symmetric, per channel
+w8a8    int8 [..., in, out], stored as int8 per       data                    symmetric, per channel
+        channel; what differs is how it multiplies:
+        activations are quantized to int8 per row on
+        the fly (quant/linear.py), so the value of
+        x @ w is not the float product (opt-in)
 
 scales and offsets are float32 [..., in // group_size, out]; offsets is None
 except for int4. `scheme` and `group_size` are static (pytree metadata).
@@ -29,7 +34,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-SCHEMES = ("int8", "int4", "fp8")
+SCHEMES = ("int8", "int4", "fp8", "w8a8")
 
 
 @jax.tree_util.register_dataclass

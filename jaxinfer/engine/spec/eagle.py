@@ -66,7 +66,7 @@ def draft_tokens(head, target_params, tokens, features, first_position, lengths,
     c = config
     num_entries = window + num_drafts
     shape = (num_seqs, num_entries, c.num_kv_heads, c.head_dim)
-    dtype = target_params["embed"].dtype
+    dtype = target_params["final_norm"].dtype
     cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     rows = jnp.arange(num_seqs)
     index = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (num_seqs, window))

@@ -38,7 +38,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
 from jaxinfer.models.layers import rms_norm, rope_inv_freq
-from jaxinfer.models.llama import compute_logits, decoder_layer
+from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens
 
 # The head trained for the embedded default model (scripts/train_draft_head.py).
 DEFAULT_HEAD = Path(__file__).resolve().parents[3] / "checkpoints" / "eagle-smollm2-135m-instruct.safetensors"
@@ -80,7 +80,7 @@ def head_features(head: dict, target_params: dict, config: ModelConfig, tokens, 
     """Run the head over entries (tokens [B, T], features [B, T, hidden] =
     f_{p-1}, positions [B, T] = p) with the given attention (models/attention
     interface); returns (predicted features f^_p [B, T, hidden], kv_cache)."""
-    x = target_params["embed"][tokens]
+    x = embed_tokens(target_params, tokens)
     x = jnp.concatenate([x, features.astype(x.dtype)], axis=-1) @ head["fc"].astype(x.dtype)
     layer = jax.tree.map(lambda w: w.astype(x.dtype), head["layer"])
     return decoder_layer(layer, config, x, positions, rope_inv_freq(config), attention, kv_cache, 0)
