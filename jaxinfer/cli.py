@@ -9,11 +9,13 @@ import time
 
 def _add_quantization_args(parser: argparse.ArgumentParser) -> None:
     """--quantization and --kv-cache-dtype, shared by generate, bench and ppl."""
-    parser.add_argument("--quantization", default=None, choices=["gguf", "int8", "int4", "fp8", "w8a8"],
-                        help="weights: gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks quantized; int8/int4/fp8 "
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4", "fp8", "w8a8"],
+                        help="weights: auto (default) keeps a GGUF file's blocks on CPU (exact) and loads "
+                             "anything else as stored; none loads as stored (GGUF blocks dequantized to "
+                             "--dtype); gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks quantized; int8/int4/fp8 "
                              "quantize the linear weights at load time; w8a8 quantizes the linear weights "
                              "and the head to int8 and the activations to int8 per token on the fly "
-                             "(default: as stored; GGUF blocks dequantized to --dtype)")
+                             "(fastest on CPU; changes the numbers)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                         help="auto: the model's dtype; int8/fp8: K/V with a float32 scale per token and KV head")
 
@@ -44,7 +46,11 @@ def _parallel_options(args) -> dict:
 
 def _quantization_options(args) -> dict:
     """LLM(...) keywords: quantization for load(), kv_cache_dtype for the engine."""
-    return dict(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    return dict(quantization=_quantization(args), kv_cache_dtype=args.kv_cache_dtype)
+
+
+def _quantization(args) -> str | None:
+    return None if args.quantization == "none" else args.quantization
 
 
 def _generate(args) -> int:
@@ -128,14 +134,14 @@ def _ppl(args) -> int:
     except OSError as e:
         print(f"error: cannot read {args.file}: {e}", file=sys.stderr)
         return 1
-    model = load(args.model, dtype=args.dtype, quantization=args.quantization)
+    model = load(args.model, dtype=args.dtype, quantization=_quantization(args))
     start = time.perf_counter()
     result = perplexity_of_text(model, text, context_len=args.context_len, stride=args.stride,
                                 kv_cache_dtype=args.kv_cache_dtype, progress=True)
     elapsed = time.perf_counter() - start
     print(f"perplexity {result.perplexity:.4f} (mean NLL {result.mean_nll:.4f} nats) over "
           f"{result.num_tokens_scored} scored tokens of {result.num_tokens}, {result.num_windows} windows")
-    print(f"model {model.source}, dtype {args.dtype}, weights {args.quantization or 'as stored'}, "
+    print(f"model {model.source}, dtype {args.dtype}, weights {model.quantization or 'as stored'}, "
           f"kv cache {result.kv_cache_dtype}, context {result.context_len}, stride {result.stride} "
           f"[{elapsed:.1f}s]")
     return 0

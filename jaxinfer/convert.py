@@ -79,7 +79,7 @@ def convert(src, out_dir, quantize: str = "none", group_size: int | None = None,
     _check_options(quantize, group_size, calibration, include_head)
     if Path(out_dir).expanduser().exists() and not overwrite:  # before minutes of loading, not after
         raise FileExistsError(f"{out_dir} already exists; choose another directory or pass --overwrite")
-    model = load(src, dtype=dtype, progress=progress)
+    model = load(src, dtype=dtype, progress=progress, quantization=None)  # quantized below, from float
     return convert_model(model, out_dir, quantize, group_size, calibration, include_head, progress, overwrite, log)
 
 

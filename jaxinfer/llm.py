@@ -18,11 +18,12 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 class LLM:
-    """LLM(model=None, *, dtype="float32", quantization=None, progress=True, **engine_options).
+    """LLM(model=None, *, dtype="float32", quantization="auto", progress=True, **engine_options).
 
     model: None (the embedded SmolLM2-135M-Instruct), a HF directory or a .gguf file.
-    quantization: None (float weights), "gguf" (keep a GGUF file's Q8_0 / Q4_0 / Q4_1
-    weights quantized), "int8" | "int4" | "fp8" (quantize the linear weights at
+    quantization: "auto" (the default: a GGUF file's own blocks on CPU, which are
+    exact; otherwise as stored), None (float weights), "gguf" (keep a GGUF file's
+    Q8_0 / Q4_0 / Q4_1 weights quantized), "int8" | "int4" | "fp8" (quantize the linear weights at
     load time), or "w8a8" (int8 weights and head, int8 activations: fastest on CPU,
     changes the numbers); see `load`.
     engine_options: max_model_len, block_size, num_kv_blocks, kv_cache_memory_fraction,
@@ -39,7 +40,7 @@ class LLM:
     """
 
     def __init__(
-        self, model=None, *, dtype: str = "float32", quantization: str | None = None, progress: bool = True,
+        self, model=None, *, dtype: str = "float32", quantization: str | None = "auto", progress: bool = True,
         tensor_parallel_size: int | None = None, data_parallel_size: int | None = None, **engine_options,
     ):
         meshes = [None]

@@ -5,8 +5,9 @@ Engines and configurations (all greedy, one thread per core everywhere):
   hf         transformers' LlamaForCausalLM loaded from the GGUF (dequantized to
              float32), torch.set_num_threads(cores)
   jaxinfer   one LLM per --schemes entry: "none" (float32 weights dequantized
-             from the GGUF), "gguf" (the file's Q8_0/Q4_0/Q4_1 blocks kept), or a
-             load-time scheme ("int8", "int4", "fp8"); XLA uses every core
+             from the GGUF, the default before quantization="auto"), "gguf" (the
+             file's Q8_0/Q4_0/Q4_1 blocks kept: what "auto" picks on CPU), or a
+             load-time scheme ("int8", "int4", "fp8", "w8a8"); XLA uses every core
   llama.cpp  the GGUF as stored, n_threads = cores, batch 1 only (optional)
 
 Workloads (the same real token ids, from the model's tokenizer, for every engine):

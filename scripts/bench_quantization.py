@@ -43,7 +43,7 @@ def main():
     from jaxinfer.quant.params import params_nbytes
 
     text = (DATA / "eval_text.txt").read_text(encoding="utf-8")
-    base = load(args.model, progress=False)
+    base = load(args.model, progress=False, quantization=None)
     rows = []
 
     def score(name, model, kv="auto", checkpoint_bytes=None):

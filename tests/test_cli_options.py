@@ -32,7 +32,10 @@ def test_quantization_options_reach_llm(calls, argv):
     assert calls[-1]["quantization"] == "gguf" and calls[-1]["kv_cache_dtype"] == "int8"
     with pytest.raises(Stop):
         cli.main(argv + prompt)
-    assert calls[-1]["quantization"] is None and calls[-1]["kv_cache_dtype"] == "auto"
+    assert calls[-1]["quantization"] == "auto" and calls[-1]["kv_cache_dtype"] == "auto"
+    with pytest.raises(Stop):
+        cli.main(argv + ["--quantization", "none"] + prompt)
+    assert calls[-1]["quantization"] is None
 
 
 def test_ppl_keeps_its_options(calls, tmp_path):

@@ -23,11 +23,13 @@ from jaxinfer.utils import bucket_size, enable_compilation_cache
 class Model:
     """config: the config the params run with; on a mesh whose size exceeds the
     KV heads that is parallel/sharding.py's sharded_config (KV heads repeated).
-    mesh: None (one device) or the ("model",) mesh the params are sharded over."""
+    mesh: None (one device) or the ("model",) mesh the params are sharded over.
+    quantization: how the weights were loaded (load()'s choice, "auto" resolved)."""
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer, dtype, source: str = "", load_seconds=0.0,
-                 mesh=None):
+                 mesh=None, quantization: str | None = None):
         self.mesh = mesh
+        self.quantization = quantization
         self.config = config
         self.params = params
         self.tokenizer = tokenizer
@@ -50,7 +52,7 @@ class Model:
         if self.mesh is None or mesh.size != self.mesh.size:
             raise ValueError("on_mesh copies a sharded model to a mesh of the same size")
         return Model(self.config, shard_params(self.params, mesh), self.tokenizer, self.dtype, self.source,
-                     self.load_seconds, mesh)
+                     self.load_seconds, mesh, self.quantization)
 
     def logits(self, token_ids) -> np.ndarray:
         """Full-sequence forward without a cache: float32 logits [T, vocab].
@@ -78,12 +80,26 @@ def _full_logits(params, config: ModelConfig, tokens):
     return compute_logits(params, hidden)
 
 
-def load(model=None, dtype="float32", progress: bool = True, quantization: str | None = None, mesh=None) -> Model:
+def choose_quantization(quantization: str | None, source) -> str | None:
+    """Resolve quantization="auto", the default of load(), LLM and the CLI: the
+    fastest form that loses nothing against the file. On CPU that is a GGUF's
+    own blocks ("gguf": the same numbers as the dequantized float weights, in
+    a third of the bytes, and at one row XLA:CPU multiplies them without a
+    float copy); a float checkpoint stays as stored, since every faster scheme
+    changes its numbers. On GPUs the weights stay as stored until the GGUF
+    block kernels there have been timed."""
+    if quantization != "auto":
+        return quantization
+    return "gguf" if hasattr(source, "get_quantized") and jax.default_backend() == "cpu" else None
+
+
+def load(model=None, dtype="float32", progress: bool = True, quantization: str | None = "auto", mesh=None) -> Model:
     """Load a model: None (the embedded SmolLM2-135M-Instruct), a HF directory
     (config.json + safetensors), a .gguf file, or a jaxinfer checkpoint directory
     (`jaxinfer convert`). dtype: float32 | bfloat16 (of the unquantized weights).
 
-    quantization: None (float weights; GGUF blocks dequantized), "gguf" (keep
+    quantization: "auto" (choose_quantization: a GGUF's own blocks on CPU,
+    otherwise as stored), None (float weights; GGUF blocks dequantized), "gguf" (keep
     a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights quantized as int8 / int4
     with 32-row groups, other types dequantized), or "int8" | "int4" | "fp8"
     (round-to-nearest of the float32 linear weights at load time: int8 / fp8
@@ -96,12 +112,13 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
 
     mesh: None (one device), or a ("model",) mesh (parallel/mesh.py): every
     weight is loaded or restored straight into its shards (parallel/sharding.py)."""
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization not in (None, "auto", *QUANTIZATIONS):
+        raise ValueError(f"quantization must be None, 'auto' or one of {QUANTIZATIONS}, got {quantization!r}")
     enable_compilation_cache()
     start = time.perf_counter()
     np_dtype = resolve_dtype(dtype)
     config, source, tokenizer, description = open_checkpoint(model)
+    quantization = choose_quantization(quantization, source)
     run_config = config
     if mesh is not None:
         from jaxinfer.parallel.sharding import sharded_config
@@ -125,7 +142,8 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
     else:
         params = build_params(config, source, np_dtype, progress=progress, quantization=quantization, mesh=mesh)
     jax.block_until_ready(params)
-    return Model(run_config, params, tokenizer, np_dtype, description, time.perf_counter() - start, mesh)
+    return Model(run_config, params, tokenizer, np_dtype, description, time.perf_counter() - start, mesh,
+                 quantization)
 
 
 def _orbax_shardings(source: OrbaxCheckpoint, config: ModelConfig, mesh):

@@ -9,7 +9,7 @@ host memory never holds more than one tensor.
 
 Linear weights may come out as QuantizedTensors (quant/tensor.py), stacked
 per layer like arrays: `quantization="gguf"` keeps a GGUF file's Q8_0 / Q4_0 /
-Q4_1 blocks (sources offering `get_quantized`), and "int8" | "int4" | "fp8" |
+Q4_1 blocks (sources offering `get_quantized`; the head only off CPU), and "int8" | "int4" | "fp8" |
 "w8a8" quantize each float32 weight as it is read (round to nearest, as
 quant/params.py's quantize_params; the head stays float except for the
 HEAD_SCHEMES, where it is quantized too and a tied model keeps no float
@@ -254,8 +254,11 @@ def build_params(
             continue
         name, transpose = _GLOBAL_TENSORS[key]
         # Load-time RTN leaves the head float (quantize_params' include_head
-        # default); a GGUF head stored quantized stays as stored.
-        head = _read_direct(source, name, shape, placement, key) if key == "lm_head" and quantization == "gguf" else None
+        # default); a GGUF head stored quantized stays as stored, except on CPU,
+        # where XLA casts a quantized head to float whole on every step (see
+        # quant/params.py's HEAD_SCHEMES) and the float head is the faster one.
+        keep_head = key == "lm_head" and quantization == "gguf" and jax.default_backend() != "cpu"
+        head = _read_direct(source, name, shape, placement, key) if keep_head else None
         # A head quantized below is read in float32, so it is rounded once.
         read_dtype = np.float32 if quantization in HEAD_SCHEMES and key in ("embed", "lm_head") else dtype
         params[key] = head if head is not None else _read(source, name, transpose, shape, read_dtype, placement, key)
