@@ -113,7 +113,7 @@ def main() -> None:
         runner.kv_cache = cache[0]
         sampling = SamplingMetadata.from_params([s.params for s in seqs], [0] * len(seqs), [1] * len(seqs), num_seqs)
         logits = jnp.zeros((num_seqs, config.vocab_size), jnp.float32)
-        sample_ms = time_ms(lambda: sample_step(logits, sampling, None, with_penalties=False), iters=args.iters)
+        sample_ms = time_ms(lambda: sample_step(logits, sampling, None, full=False), iters=args.iters)
 
         x = jnp.ones((num_seqs, config.hidden_size), llm.model.dtype)
 

@@ -43,7 +43,8 @@ class StepOutput(NamedTuple):
     num_emitted: np.ndarray
     # The sampler's logprob fields for each sequence's first emitted token (only
     # requests with logprobs read them, and those never draft); None when every
-    # sequence verified drafts.
+    # sequence verified drafts, or when no request asked for logprobs or
+    # penalties (the plain sampler computes none).
     logprobs: np.ndarray | None
     logprob_token_ids: np.ndarray | None
     sampled_rank: np.ndarray | None
@@ -95,12 +96,12 @@ class ModelRunner:
 
     def programs(self) -> list[tuple]:
         """Every program warm-up compiles: the forward per bucket, the sampler
-        per seqs bucket and penalty flag, and acceptance per decode bucket."""
+        per seqs bucket, plain or full (programs.py), and acceptance per decode bucket."""
         programs = [("forward", *bucket) for bucket in self.buckets()]
         if not self.sampling:
             return programs
         seq_sizes = sorted({s for _, s, _ in self.buckets()})
-        programs += [("sample", s, pen) for s in seq_sizes for pen in (False, True)]
+        programs += [("sample", s, full) for s in seq_sizes for full in (False, True)]
         k = self.num_speculative_tokens
         return programs + [("verify", n, k) for n in self.decode_buckets if k]
 
@@ -124,10 +125,10 @@ class ModelRunner:
                                       block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
                 jax.block_until_ready(self.forward(inputs))
             elif kind == "sample":
-                with_penalties = program[2]
-                penalties = make_penalty_inputs([], [], vocab, num_seqs) if with_penalties else None
+                full = program[2]
+                penalties = make_penalty_inputs([], [], vocab, num_seqs) if full else None
                 logits = self._put(np.zeros((num_seqs, vocab), np.float32))
-                jax.block_until_ready(self._sample(logits, sampling, penalties, with_penalties))
+                jax.block_until_ready(self._sample(logits, sampling, penalties, full))
             else:
                 k = program[2]
                 logits = self._put(np.zeros((num_seqs * (1 + k), vocab), np.float32))
@@ -170,10 +171,10 @@ class ModelRunner:
         )
         return logits, features
 
-    def _sample(self, logits, sampling, penalties, with_penalties: bool):
-        self._count(("sample", logits.shape[0], with_penalties))
+    def _sample(self, logits, sampling, penalties, full: bool):
+        self._count(("sample", logits.shape[0], full))
         sampling, penalties = self._put((sampling, penalties))
-        return sample_step(logits, sampling, penalties, with_penalties=with_penalties, mesh=self.mesh)
+        return sample_step(logits, sampling, penalties, full=full, mesh=self.mesh)
 
     def _verify(self, logits, drafts, num_drafts, sampling):
         self._count(("verify", drafts.shape[0], drafts.shape[1]))
@@ -192,8 +193,9 @@ class ModelRunner:
         sampling = SamplingMetadata.from_params(
             [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs], num_seqs
         )
-        with_penalties = any(s.params.uses_penalties for s in seqs)
-        penalties = self._penalty_inputs(seqs, num_seqs) if with_penalties else None
+        # The full sampler (programs.py) when any request has penalties or asks for logprobs.
+        full = any(s.params.uses_penalties or s.params.logprobs is not None for s in seqs)
+        penalties = self._penalty_inputs(seqs, num_seqs) if full else None
 
         start = time.perf_counter()
         logits, features = self.forward(inputs)
@@ -207,12 +209,12 @@ class ModelRunner:
             token_ids, num_emitted = np.array(token_ids), np.array(num_emitted)
             plain = None
             if not num_drafts[: len(seqs)].all():
-                plain = jax.device_get(self._sample(first_logits, sampling, penalties, with_penalties))
+                plain = jax.device_get(self._sample(first_logits, sampling, penalties, full))
                 drafted = num_drafts > 0
                 token_ids[:, 0] = np.where(drafted, token_ids[:, 0], plain.token_ids)
                 num_emitted = np.where(drafted, num_emitted, 1)
         else:
-            plain = jax.device_get(self._sample(logits, sampling, penalties, with_penalties))
+            plain = jax.device_get(self._sample(logits, sampling, penalties, full))
             token_ids = plain.token_ids[:, None]
             # A sequence emits once its step reaches its last token (a prompt chunk that does not, emits nothing).
             num_emitted = np.zeros(num_seqs, np.int32)
