@@ -334,3 +334,137 @@ def test_64_concurrent_streams_complete_and_metrics_agree(server, reference):
     assert delta("jaxinfer:time_to_first_token_seconds_count") == 64
     assert delta("jaxinfer:e2e_request_latency_seconds_count") == 64
     assert server.engine_thread.stats["num_compilations"] == compilations
+
+
+# -- the engine thread's failure paths, over a scripted engine --------------------------------------
+class ScriptedEngine:
+    """The engine interface the server uses; each step gives every request one
+    token ("x"). `fail` makes the next step raise; `hold` makes steps idle."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.requests, self.fail, self.hold = {}, False, threading.Event()
+        self.config = SimpleNamespace(max_model_len=64)
+
+    def validate(self, name, token_ids, params):
+        pass
+
+    def add_request(self, request_id, token_ids, params, prompt=None):
+        from jaxinfer.outputs import CompletionOutput, RequestOutput
+
+        self.requests[request_id] = (RequestOutput(request_id, prompt, list(token_ids),
+                                                   [CompletionOutput(0, "", [])], False), params)
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def step(self):
+        if self.fail:
+            raise RuntimeError("device lost")
+        if self.hold.is_set():
+            time.sleep(0.01)
+            return []
+        outputs = []
+        for request_id, (output, params) in list(self.requests.items()):
+            completion = output.outputs[0]
+            completion.token_ids.append(87)
+            completion.text += "x"
+            if len(completion.token_ids) == params.max_tokens:
+                completion.finish_reason, output.finished = "length", True
+                del self.requests[request_id]
+            outputs.append(output)
+        return outputs
+
+    def abort(self, request_id):
+        output, _ = self.requests.pop(request_id, (None, None))
+        if output is not None:
+            output.outputs[0].finish_reason, output.finished = "abort", True
+        return output
+
+    def stats(self):
+        return dict(num_requests_running=len(self.requests), num_requests_waiting=0, kv_blocks_used=0,
+                    kv_blocks_total=1, num_compilations=0)
+
+
+@pytest.fixture
+def scripted(llm):
+    from types import SimpleNamespace
+
+    engine = ScriptedEngine()
+    fake_llm = SimpleNamespace(engine=engine, tokenizer=llm.tokenizer, max_model_len=64,
+                               model=SimpleNamespace(config=llm.model.config, source="scripted"))
+    return engine, fake_llm
+
+
+def test_health_503_while_loading_and_after_a_failed_step(scripted):
+    from fastapi.testclient import TestClient
+
+    engine, fake_llm = scripted
+    loaded = threading.Event()
+
+    def load():
+        loaded.wait(30)
+        return fake_llm
+
+    body = {"prompt": "hi", "max_tokens": 50, "stream": True}
+    with TestClient(build_app(model_name="m", load=load)) as client:
+        r = client.get("/health")
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        assert client.post("/v1/completions", json=body).status_code == 503
+        loaded.set()
+        for _ in range(100):
+            if client.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        assert client.get("/health").status_code == 200
+        engine.fail = True
+        events = [line for line in client.post("/v1/completions", json=body).text.split("\n\n") if line]
+        assert "device lost" in json.loads(events[-2][len("data: "):])["error"]["message"]
+        assert events[-1] == "data: [DONE]"
+        r = client.get("/health")
+        assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+        assert client.post("/v1/completions", json={**body, "stream": False}).status_code == 503
+
+
+def test_queue_full_is_429(scripted):
+    from fastapi.testclient import TestClient
+
+    engine, fake_llm = scripted
+    engine.hold.set()  # admitted requests stay in flight
+    with TestClient(build_app(fake_llm, model_name="m", max_queue=1)) as client:
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(r=client.post(
+            "/v1/completions", json={"prompt": "hi", "max_tokens": 3})))
+        thread.start()
+        for _ in range(100):
+            if client.app.state.server.engine.num_in_flight:
+                break
+            time.sleep(0.02)
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        engine.hold.clear()
+        thread.join(30)
+        assert result["r"].json()["choices"][0]["text"] == "xxx"
+
+
+def test_shutdown_aborts_in_flight_and_tells_the_client(scripted):
+    from jaxinfer.server.engine_thread import EngineRequest, EngineThread
+
+    engine, _ = scripted
+    thread = EngineThread(engine)
+    thread.start()
+
+    async def run():
+        deltas = []
+        async for _, delta in thread.generate([EngineRequest("r", [1, 2], greedy(1000))]):
+            deltas.append(delta)
+            if len(deltas) == 1:
+                engine.hold.set()
+                aborted = await asyncio.get_running_loop().run_in_executor(None, thread.stop)
+                assert aborted == 1
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert deltas[-1].finished and deltas[-1].completions[0].finish_reason == "abort"
+    assert not thread.alive

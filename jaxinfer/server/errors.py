@@ -71,13 +71,29 @@ def _describe(error: dict) -> tuple[str, str | None]:
     return f"{path}: {error.get('msg')}", param
 
 
+def _is_type_tag(part) -> bool:
+    """Pydantic names a union member in the location by its type: 'str', 'list[int]', ..."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict") or "[" in part)
+
+
+def describe_validation(errors: list[dict]) -> tuple[str, str | None]:
+    """The first pydantic error as (message, field); a value that matched no
+    member of a union (every error on the same field) says which types it may be."""
+    message, param = _describe(errors[0])
+    tags = [e["loc"][2] for e in errors if len(e.get("loc", ())) > 2 and _is_type_tag(e["loc"][2])]
+    if param is not None and len(tags) > 1 and all(len(e["loc"]) > 1 and e["loc"][1] == param for e in errors):
+        unique = list(dict.fromkeys(tags))
+        message = f"{param} has the wrong type; it may be one of: {', '.join(unique)}"
+    return message, param
+
+
 def install(app: FastAPI) -> None:
     """Route every error through OpenAI's shape."""
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         errors = exc.errors()
-        message, param = _describe(errors[0]) if errors else ("invalid request", None)
+        message, param = describe_validation(errors) if errors else ("invalid request", None)
         return error_response(400, message, param)
 
     @app.exception_handler(APIError)

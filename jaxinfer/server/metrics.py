@@ -14,7 +14,11 @@ speculative step carries several tokens), end-to-end latency.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+# The `_created` timestamp series double what a scraper reads and no vLLM
+# dashboard uses them (vLLM turns them off the same way; process-wide).
+disable_created_metrics()
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0)
@@ -58,6 +62,12 @@ class ServerMetrics:
                          buckets=_E2E_BUCKETS)
         self._name = model_name
         self._last_engine_counts = {key: 0 for key in _ENGINE_COUNTERS}
+        # Export every series from the start (at 0), not from its first event.
+        for metric in (self._running, self._waiting, self._kv_usage, self._prompt_tokens, self._generation_tokens,
+                       *self._engine_counters.values(), self._ttft, self._itl, self._e2e):
+            self._l(metric)
+        for reason in ("stop", "length", "abort"):
+            self._l(self._success, finished_reason=reason)
 
     def _l(self, metric, **extra):
         return metric.labels(model_name=self._name, **extra)
