@@ -468,3 +468,64 @@ def test_shutdown_aborts_in_flight_and_tells_the_client(scripted):
     deltas = asyncio.run(run())
     assert deltas[-1].finished and deltas[-1].completions[0].finish_reason == "abort"
     assert not thread.alive
+
+
+# -- the command line -------------------------------------------------------------------------------
+def test_cli_serve_options_reach_llm_and_server(monkeypatch):
+    import jaxinfer
+    from jaxinfer import cli
+    from jaxinfer.server import launch
+
+    served, built = {}, {}
+    monkeypatch.setattr(launch, "serve", lambda load, **kw: served.update(kw, llm=load()))
+    monkeypatch.setattr(jaxinfer, "LLM", lambda model, **kw: built.update(kw, model=model) or "llm")
+    assert cli.main(["serve", "--model", "m.gguf", "--port", "9", "--api-key", "k", "--max-num-seqs", "4",
+                     "--quantization", "int8", "--speculative-method", "ngram", "--data-parallel-size", "2"]) == 0
+    assert served["model_name"] == "m.gguf" and served["port"] == 9 and served["api_key"] == "k"
+    assert served["host"] == "127.0.0.1" and served["llm"] == "llm"
+    assert built["model"] == "m.gguf" and built["max_num_seqs"] == 4 and built["quantization"] == "int8"
+    assert built["speculative"]["method"] == "ngram" and built["data_parallel_size"] == 2
+    assert cli.main(["serve", "--served-model-name", "x"]) == 0 and served["model_name"] == "x"
+
+
+def test_non_loopback_without_key_warns(monkeypatch, caplog):
+    from jaxinfer.server import launch
+
+    monkeypatch.setattr(launch._Server, "run", lambda self: None)
+    with caplog.at_level("WARNING", logger="jaxinfer.server"):
+        launch.serve(lambda: None, model_name="m", host="0.0.0.0")
+    assert "without --api-key" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxinfer.server"):
+        launch.serve(lambda: None, model_name="m", host="127.0.0.1")
+    assert "without --api-key" not in caplog.text
+
+
+# -- jaxinfer bench serve ------------------------------------------------------------------------------
+def test_bench_serve_counts_what_the_server_generated(server):
+    from jaxinfer.server.bench_serve import build_dataset, run_bench, summarize
+
+    dataset = build_dataset("random", 8, 12, 4, 0.5, 0, 1, 32000, seed=1)
+    before = server.metrics()
+    results, duration = asyncio.run(run_bench(server.url, None, dataset, 50.0, 4, KEY))
+    summary = summarize(results, duration, {"ttft": 1e6, "tpot": 1e6})
+    after = server.metrics()
+    assert summary["completed"] == 8 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == sum(m for _, m in dataset)
+    assert summary["total_input_tokens"] == sum(len(p) for p, _ in dataset)
+    # The untimed first request generates 2 tokens.
+    generated = after[("jaxinfer:generation_tokens_total", frozenset())] - before[
+        ("jaxinfer:generation_tokens_total", frozenset())]
+    assert generated == summary["total_output_tokens"] + 2
+    assert summary["goodput"] == summary["request_throughput"]
+    assert all(summary[k]["median_ms"] > 0 for k in ("ttft", "tpot", "itl", "e2el"))
+    assert sum(len(r.itl) for r in results) == sum(m - 1 for _, m in dataset)  # one chunk per token here
+
+
+def test_shared_prefix_dataset_groups():
+    from jaxinfer.server.bench_serve import build_dataset
+
+    data = build_dataset("shared-prefix", 6, 5, 3, 0.0, 20, 2, 32000, seed=0)
+    assert len(data) == 6 and all(len(p) == 25 for p, _ in data)
+    assert data[0][0][:20] == data[2][0][:20] != data[3][0][:20] == data[5][0][:20]
+    assert data[0][0][20:] != data[1][0][20:]

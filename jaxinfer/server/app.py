@@ -190,10 +190,9 @@ def build_app(llm=None, *, model_name: str, load=None, api_key: str | None = Non
             threading.Thread(target=load_then_attach, name="jaxinfer-load", daemon=True).start()
         yield
         if state.engine is not None:
-            in_flight = state.engine.num_in_flight
-            aborted = state.engine.stop()
-            if in_flight or aborted:
-                logger.info("shutdown: aborted %d unfinished request(s)", aborted)
+            aborted = state.engine.stop()  # none are left after a graceful shutdown
+            if aborted:
+                logger.warning("shutdown: aborted %d unfinished request(s)", aborted)
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
