@@ -36,6 +36,9 @@ from jaxinfer.tokenizer import TokenizerError
 
 logger = logging.getLogger("jaxinfer.server")
 
+# Texts longer than this are tokenized in a worker thread, so that a long
+# prompt does not stall the streams the event loop is serving meanwhile.
+TOKENIZE_INLINE_CHARS = 16384
 # Bodies larger than this are refused before they are read whole (413). A
 # prompt of 128k token ids is ~1 MB of JSON, so 8 MiB leaves room.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -254,7 +257,7 @@ def build_app(llm=None, *, model_name: str, load=None, api_key: str | None = Non
         for i, prompt in enumerate(prompts):
             name = f"prompt[{i}]" if many else "prompt"
             if isinstance(prompt, str):
-                token_ids = state.tokenizer.encode(prompt)
+                token_ids = await _encode(state, prompt, add_special_tokens=True)
             else:
                 token_ids = list(prompt)
                 _check_token_ids(state, token_ids, name)
@@ -273,7 +276,7 @@ def build_app(llm=None, *, model_name: str, load=None, api_key: str | None = Non
         state.check_model(body.model)
         body.check_unsupported()
         text = _chat_text(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
-        token_ids = state.tokenizer.encode(text, add_special_tokens=False)  # the template writes BOS itself
+        token_ids = await _encode(state, text, add_special_tokens=False)  # the template writes BOS itself
         params = body.sampling_params(_max_tokens(state, body.requested_max_tokens, len(token_ids), "messages"),
                                       body.num_logprobs)
         _validate(state, "messages", token_ids, params)
@@ -283,6 +286,12 @@ def build_app(llm=None, *, model_name: str, load=None, api_key: str | None = Non
         return await _respond(engine, request, body, requests, builder, [""])
 
     return app
+
+
+async def _encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) <= TOKENIZE_INLINE_CHARS:
+        return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
 
 def _check_token_ids(state: ServerState, token_ids: list[int], name: str) -> None:

@@ -55,10 +55,13 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # only 0: the engine has no minimum-length rule (EOS is never masked)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias")
+        if self.min_tokens:
+            raise APIError(400, "min_tokens is not supported (only 0)", "min_tokens")
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", "n")
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
