@@ -16,7 +16,8 @@ ratio), the same generator as `bench throughput`, so both see the same
 lengths for the same seed) and `shared-prefix` (G groups, each a random
 prefix of --prefix-len tokens shared by its prompts, then a random suffix).
 Arrivals: Poisson at --request-rate (inf: all at once), at most
---max-concurrency in flight.
+--max-concurrency in flight. The server's prefix cache remembers earlier
+runs' prompts: give each run of a sweep its own --seed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from jaxinfer.benchmark import synthetic_requests
 
 # Token ids are drawn below this, so that they are valid for any Llama-family vocabulary.
 DEFAULT_VOCAB = 32000
+WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 @dataclass
@@ -130,7 +132,8 @@ async def run_bench(base_url: str, model: str | None, dataset: list[tuple[list[i
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
         # One untimed request first: the server answers and its first request's costs are not measured.
-        await _one(client, url, body(dataset[0][0], 2), RequestResult(len(dataset[0][0])))
+        # Its prompt is none of the dataset's, so it leaves nothing useful in the prefix cache.
+        await _one(client, url, body(WARMUP_PROMPT, 2), RequestResult(len(WARMUP_PROMPT)))
         results = [RequestResult(len(prompt)) for prompt, _ in dataset]
 
         async def limited(i):
