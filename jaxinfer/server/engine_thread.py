@@ -78,7 +78,7 @@ class _Tracked:
     """Engine-thread bookkeeping of one open request."""
 
     request: EngineRequest
-    post: callable  # posts (tag, item) to the owner's asyncio queue
+    post: tuple  # (the owner's event loop, its function that puts [(tag, item)] on the owner's asyncio queue)
     tag: int
     arrival: float
     hold: int  # characters held back while a stop string may still be forming
@@ -139,6 +139,10 @@ class EngineThread:
         try:
             for tag, request in enumerate(requests):
                 self._commands.put(("add", request, tag, loop, post, arrival))
+            # The thread sets fatal_error before it drains its queue for the last time, so
+            # adds queued before that drain are answered there, and later ones are caught here.
+            if self.fatal_error is not None:
+                raise EngineDead(self.fatal_error)
             while open_ids:
                 tag, item = await inbox.get()
                 if isinstance(item, BaseException):
@@ -174,11 +178,16 @@ class EngineThread:
                     except queue.Empty:
                         break
                 outgoing: dict = {}
-                for command in commands:
+                stop = None
+                for command in commands:  # adds queued beside a stop are added, then aborted with the rest
                     if command[0] == "stop":
-                        self._shutdown(command[1], command[2])
-                        return
-                    self._apply(command, outgoing)
+                        stop = command
+                    else:
+                        self._apply(command, outgoing)
+                if stop is not None:
+                    self._flush(outgoing)
+                    self._shutdown(stop[1], stop[2])
+                    return
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
                     now = time.perf_counter()
@@ -193,6 +202,7 @@ class EngineThread:
                 for tracked in self._tracked.values():
                     self._queue(outgoing, tracked, EngineDead(self.fatal_error))
                 self._tracked.clear()
+                self._refuse_queued(outgoing)
                 self._flush(outgoing)
                 return
 
@@ -276,6 +286,7 @@ class EngineThread:
             self.metrics.on_engine_stats(self.stats)
 
     def _shutdown(self, done: threading.Event, result: list) -> None:
+        self.fatal_error = self.fatal_error or "the server is shutting down"
         outgoing: dict = {}
         result.append(len(self._tracked))
         for request_id in list(self._tracked):
@@ -283,6 +294,17 @@ class EngineThread:
             if output is not None:  # its client gets finish_reason "abort" and what was generated
                 self._collect(output, time.perf_counter(), outgoing)
         self._tracked.clear()
+        self._refuse_queued(outgoing)
         self._flush(outgoing)
-        self.fatal_error = self.fatal_error or "the server is shutting down"
         done.set()
+
+    def _refuse_queued(self, outgoing) -> None:
+        """The thread is ending: adds still queued get the reason, so no handler waits forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request, tag, loop, post, _ = command
+                outgoing.setdefault((loop, post), []).append((tag, EngineDead(self.fatal_error)))
