@@ -1,4 +1,4 @@
-"""Command line: `jaxinfer generate | bench | convert | ppl ...`."""
+"""Command line: `jaxinfer generate | bench | serve | convert | ppl ...`."""
 
 from __future__ import annotations
 
@@ -112,6 +112,36 @@ def _bench(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from jaxinfer.loading.checkpoint import DEFAULT_MODEL_FILE
+    from jaxinfer.server.launch import serve
+
+    options = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+                   enable_prefix_caching=not args.no_prefix_caching)
+    if args.num_kv_blocks is not None:
+        options["num_kv_blocks"] = args.num_kv_blocks
+    if args.speculative_method:
+        options["speculative"] = {"method": args.speculative_method,
+                                  "num_speculative_tokens": args.num_speculative_tokens}
+
+    def load():
+        from jaxinfer import LLM
+
+        return LLM(args.model, dtype=args.dtype, **options, **_quantization_options(args), **_parallel_options(args))
+
+    name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.split(".")[0]
+    serve(load, model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    return 0
+
+
+def _bench_serve(args) -> int:
+    from jaxinfer.server.bench_serve import main as bench_serve_main
+
+    return bench_serve_main(args)
+
+
 def _convert(args) -> int:
     from jaxinfer.convert import convert
 
@@ -183,6 +213,43 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--seed", type=int, default=0)
     latency.add_argument("--batch-size", type=int, default=8)
     bench.set_defaults(func=_bench)
+    bserve = kinds.add_parser("serve", help="load a running `jaxinfer serve` with streamed requests")
+    bserve.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
+    bserve.add_argument("--host", default="127.0.0.1")
+    bserve.add_argument("--port", type=int, default=8000)
+    bserve.add_argument("--model", default=None, help="served model name (default: the server's first)")
+    bserve.add_argument("--api-key", default=None)
+    bserve.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
+    bserve.add_argument("--num-prompts", type=int, default=64)
+    bserve.add_argument("--input-len", type=int, default=128)
+    bserve.add_argument("--output-len", type=int, default=64)
+    bserve.add_argument("--range-ratio", type=float, default=0.0)
+    bserve.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens of each group's prefix")
+    bserve.add_argument("--num-prefix-groups", type=int, default=4)
+    bserve.add_argument("--vocab-size", type=int, default=32000, help="random token ids are drawn below this")
+    bserve.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all at once)")
+    bserve.add_argument("--max-concurrency", type=int, default=None)
+    bserve.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
+    bserve.add_argument("--seed", type=int, default=0)
+    bserve.add_argument("--json", default=None, metavar="PATH")
+    bserve.set_defaults(func=_bench_serve)
+    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server (README.md, Serve)")
+    _add_model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="default loopback; another host wants --api-key")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (not on /health, /metrics)")
+    srv.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
+    srv.add_argument("--max-queue", type=int, default=1024, help="most requests in flight; more are answered 429")
+    srv.add_argument("--max-num-seqs", type=int, default=None)
+    srv.add_argument("--max-num-batched-tokens", type=int, default=None)
+    srv.add_argument("--num-kv-blocks", type=int, default=None)
+    srv.add_argument("--no-prefix-caching", action="store_true")
+    srv.add_argument("--speculative-method", choices=["ngram", "draft_model", "eagle"], default=None)
+    srv.add_argument("--num-speculative-tokens", type=int, default=4)
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.set_defaults(func=_serve)
     conv = commands.add_parser("convert", help="write a (quantized) jaxinfer checkpoint that loads straight to the device")
     conv.add_argument("src", metavar="SRC", help="HF directory, .gguf file, jaxinfer checkpoint, or 'default' (the embedded model)")
     conv.add_argument("out_dir", metavar="OUT_DIR")

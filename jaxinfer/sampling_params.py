@@ -40,6 +40,8 @@ class SamplingParams:
     are normalised to lists (None -> []). `logprobs=k` returns, per generated
     token, the k most likely tokens plus the sampled one. `seed` is the seed of
     this request's own random generator (None: fresh entropy).
+    `skip_special_tokens=False` keeps special tokens (e.g. a chat template's
+    markers) in the detokenized text.
     """
 
     n: int = 1
@@ -56,6 +58,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -103,6 +106,9 @@ class SamplingParams:
 
         if not isinstance(self.ignore_eos, bool):
             raise InvalidSamplingParameter(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+        if not isinstance(self.skip_special_tokens, bool):
+            raise InvalidSamplingParameter(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
 
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs)

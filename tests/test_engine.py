@@ -164,3 +164,33 @@ def test_stream_deltas_equal_generate_text(default_llm):
     deltas = list(default_llm.stream("The capital of France is", params))
     text = default_llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].text
     assert len(deltas) > 1 and "".join(deltas) == text
+
+
+def test_stats_count_running_and_waiting_requests(tiny_dir):
+    """A request with n=2 counts once; requests past max_num_seqs wait."""
+    llm = LLM(tiny_dir, progress=False, **dict(SMALL_ENGINE, max_num_seqs=2))
+    engine = llm.engine
+    engine.add_request("pair", list(range(5)), SamplingParams(n=2, temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.add_request("later", list(range(5)), greedy(4))
+    assert (llm.stats()["num_requests_running"], llm.stats()["num_requests_waiting"]) == (0, 2)
+    engine.step()
+    assert (llm.stats()["num_requests_running"], llm.stats()["num_requests_waiting"]) == (1, 1)
+    while engine.has_unfinished():
+        engine.step()
+    assert (llm.stats()["num_requests_running"], llm.stats()["num_requests_waiting"]) == (0, 0)
+
+
+def test_skip_special_tokens_false_keeps_them_in_text(default_llm):
+    """The chat template's <|im_start|> (a special token) shows in the text only when asked."""
+    tokenizer = default_llm.tokenizer
+    prompt = tokenizer.encode("<|im_start|>user\\nHi<|im_end|>\\n", add_special_tokens=False)
+    engine = default_llm.engine
+    detokenizers = {}
+    for skip in (True, False):
+        # The detokenizer the engine built for this request is what turns its tokens into text.
+        params = SamplingParams(temperature=0.0, max_tokens=1, skip_special_tokens=skip)
+        engine.add_request(f"special-{skip}", prompt, params)
+        detokenizers[skip] = engine.requests[f"special-{skip}"].sequences[0].detokenizer
+        engine.abort(f"special-{skip}")
+    im_end = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert detokenizers[True].add(im_end) == "" and detokenizers[False].add(im_end) == "<|im_end|>"

@@ -121,7 +121,8 @@ class LLMEngine:
                 metrics=metrics,
                 output=CompletionOutput(index=index, text="", token_ids=[],
                                         logprobs=[] if params.logprobs is not None else None),
-                detokenizer=self.tokenizer.detokenizer(prompt_token_ids) if self.tokenizer else None,
+                detokenizer=(self.tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens)
+                             if self.tokenizer else None),
                 eos_token_ids=eos,
                 leader=sequences[0] if sequences else None,
             )
@@ -176,9 +177,19 @@ class LLMEngine:
         return prompt, generate
 
     # -- introspection -------------------------------------------------------
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting) requests: a request runs while any of its
+        sequences holds a slot in the batch (vLLM's num_requests_running)."""
+        running = {s.request_id for s in self.scheduler.running}
+        waiting = {s.request_id for s in self.scheduler.waiting} - running
+        return len(running), len(waiting)
+
     def stats(self) -> dict:
         bm, processed = self.block_manager, self.output_processor
+        running, waiting = self.num_requests()
         return {
+            "num_requests_running": running,
+            "num_requests_waiting": waiting,
             "num_compilations": self.runner.num_compilations + self.proposer.num_compilations,
             "kv_blocks_total": bm.num_usable_blocks,
             "kv_blocks_used": bm.num_used_blocks,
