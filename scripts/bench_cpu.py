@@ -37,7 +37,10 @@ max_num_batched_tokens = enough for each batch's prompts (and the prefill prompt
 in one step (as HF's single prefill forward), a KV pool that holds the largest
 batch, prefix caching off (the prompts repeat across runs).
 
-Each timing is the median of --repeats runs after a warm-up. The greedy tokens
+Every engine is loaded first; then each batch size runs --repeats rounds in
+which every engine decodes once (see measure: the VM's speed drifts, so the
+ratio to HF is the median of the rounds' ratios), and the same for the prefill.
+Each timing is the median of the rounds, after a warm-up. The greedy tokens
 of jaxinfer (float) and HF at batch 1 are compared over the first 16 tokens; a
 mismatch is reported as a warning (float32 sums in a different order can flip a
 near-tie), not an error.
@@ -50,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import importlib.metadata
 import json
 import math
@@ -140,7 +142,17 @@ def weight_bytes_per_step(params: dict) -> int:
 
 
 # -- HF transformers -------------------------------------------------------------
-def run_hf(path, threads, prompts, prefill_prompt, batch_sizes, output_len, repeats, log):
+class Engine:
+    """One configuration under test: decode(batch) -> (seconds per decode step,
+    seconds of the prompts' prefill or None); prefill() -> seconds for the
+    prefill prompt; tokens: its first greedy tokens at batch 1."""
+
+    def __init__(self, engine, config, decode, prefill, tokens, **info):
+        self.engine, self.config, self.decode, self.prefill, self.tokens, self.info = (
+            engine, config, decode, prefill, tokens, info)
+
+
+def setup_hf(path, threads, prompts, prefill_prompt, output_len) -> Engine:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -180,20 +192,14 @@ def run_hf(path, threads, prompts, prefill_prompt, batch_sizes, output_len, repe
             return time.perf_counter() - start
 
     generate(torch.tensor(prompts[:1]), 2)  # warm-up
-    decode, tokens = [], None
-    for batch in batch_sizes:
-        runs = [generate(torch.tensor(prompts[:batch]), output_len) for _ in range(repeats)]
-        if batch == 1:
-            tokens = runs[0][2][0]
-        step = median([r[1] for r in runs])
-        decode.append(dict(engine="hf", config="float32", batch_size=batch, decode_step_ms=step * 1e3,
-                           decode_tokens_per_s=batch / step, prompt_prefill_s=median([r[0] for r in runs])))
-        log(decode[-1])
-    ids = torch.tensor([prefill_prompt])
-    prefill_s(ids)  # warm-up: the first forward of a shape is slower
-    seconds = median([prefill_s(ids) for _ in range(repeats)])
-    prefill = dict(engine="hf", config="float32", prefill_s=seconds, prefill_tokens_per_s=len(prefill_prompt) / seconds)
-    return decode, prefill, tokens
+    prefill_s(torch.tensor([prefill_prompt]))  # warm-up: the first forward of a shape is slower
+    tokens = generate(torch.tensor(prompts[:1]), min(CHECK_TOKENS, output_len))[2][0]
+
+    def decode(batch):
+        _, step, _ = generate(torch.tensor(prompts[:batch]), output_len)
+        return step, None
+
+    return Engine("hf", "float32", decode, lambda: prefill_s(torch.tensor([prefill_prompt])), tokens)
 
 
 # -- jaxinfer --------------------------------------------------------------------
@@ -207,7 +213,7 @@ def latency(llm, prompts, output_len) -> dict:
         return benchmark.run_latency(llm, len(prompts), len(prompts[0]), output_len)
 
 
-def run_jaxinfer(path, scheme, prompts, prefill_prompt, batch_sizes, output_len, repeats, read_gbs, log):
+def setup_jaxinfer(path, scheme, prompts, prefill_prompt, batch_sizes, output_len) -> Engine:
     from jaxinfer import LLM
 
     max_batch, prompt_len = max(batch_sizes), len(prompts[0])
@@ -216,34 +222,21 @@ def run_jaxinfer(path, scheme, prompts, prefill_prompt, batch_sizes, output_len,
               max_num_seqs=max_batch, max_num_batched_tokens=max(max_batch * prompt_len, len(prefill_prompt)),
               num_kv_blocks=1 + max(max_batch * blocks_per_seq, math.ceil(len(prefill_prompt) / BLOCK_SIZE) + 1),
               enable_prefix_caching=False)
-    before = llm.stats()
     check = SamplingParams(temperature=0.0, max_tokens=min(CHECK_TOKENS, output_len), ignore_eos=True)
     tokens = list(llm.generate([prompts[0]], check, use_tqdm=False)[0].outputs[0].token_ids)  # also a warm-up
-    weight_bytes = weight_bytes_per_step(llm.model.params)
-    decode = []
-    for batch in batch_sizes:
-        runs = [latency(llm, prompts[:batch], output_len) for _ in range(repeats)]
-        step = median([r["decode_step_ms_mean"] for r in runs]) * 1e-3
-        row = dict(engine="jaxinfer", config=scheme, batch_size=batch, decode_step_ms=step * 1e3,
-                   decode_tokens_per_s=batch / step, prompt_prefill_s=median([r["prefill_s"] for r in runs]),
-                   prefill_steps=runs[0]["prefill_steps"])
-        if batch == 1:
-            row.update(weight_bytes_per_step=weight_bytes, weights_GBs=weight_bytes / step / 1e9,
-                       share_of_read_bandwidth=weight_bytes / step / 1e9 / read_gbs)
-        decode.append(row)
-        log(row)
-    seconds = median([latency(llm, [prefill_prompt], 1)["prefill_s"] for _ in range(repeats)])
-    prefill = dict(engine="jaxinfer", config=scheme, prefill_s=seconds,
-                   prefill_tokens_per_s=len(prefill_prompt) / seconds)
-    after = llm.stats()
-    for key, what in (("num_compilations", "compilation(s) after warm-up"), ("num_preemptions", "preemption(s)")):
-        if after[key] > before[key]:
-            print(f"warning: jaxinfer {scheme}: {after[key] - before[key]} {what} in the timed runs", file=sys.stderr)
-    return decode, prefill, tokens
+    latency(llm, [prefill_prompt], 1)  # warm-up
+
+    def decode(batch):
+        run = latency(llm, prompts[:batch], output_len)
+        return run["decode_step_ms_mean"] * 1e-3, run["prefill_s"]
+
+    return Engine("jaxinfer", scheme, decode, lambda: latency(llm, [prefill_prompt], 1)["prefill_s"], tokens,
+                  weight_bytes_per_step=weight_bytes_per_step(llm.model.params), llm=llm,
+                  compilations=llm.stats()["num_compilations"], preemptions=llm.stats()["num_preemptions"])
 
 
 # -- llama.cpp (optional) ----------------------------------------------------------
-def run_llama_cpp(path, threads, prompt, prefill_prompt, output_len, repeats, log):
+def setup_llama_cpp(path, threads, prompt, prefill_prompt, output_len) -> Engine:
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=max(len(prompt) + output_len, len(prefill_prompt)) + 8,
@@ -256,23 +249,49 @@ def run_llama_cpp(path, threads, prompt, prefill_prompt, output_len, repeats, lo
         llm.eval(tokens)
         return time.perf_counter() - start
 
-    def decode_step_s():
+    def decode(batch):
         llm.reset()
         for i, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, reset=True)):
             if i == 0:
                 first = time.perf_counter()  # the first token comes from the prefill
             if i + 1 == output_len:
-                return (time.perf_counter() - first) / (output_len - 1)
+                return (time.perf_counter() - first) / (output_len - 1), None
 
     prefill_s(prompt[:16])  # warm-up
-    step = median([decode_step_s() for _ in range(repeats)])
-    decode = dict(engine="llama.cpp", config="gguf", batch_size=1, decode_step_ms=step * 1e3,
-                  decode_tokens_per_s=1 / step)
-    log(decode)
-    seconds = median([prefill_s(prefill_prompt) for _ in range(repeats)])
-    prefill = dict(engine="llama.cpp", config="gguf", prefill_s=seconds,
-                   prefill_tokens_per_s=len(prefill_prompt) / seconds)
-    return [decode], prefill
+    return Engine("llama.cpp", "gguf", decode, lambda: prefill_s(prefill_prompt), None, batch_sizes=(1,))
+
+
+def measure(engines: list[Engine], batch_sizes, repeats, log):
+    """Interleaved: for each batch size, `repeats` rounds in which every engine
+    runs once, so the engines of one round are timed seconds apart. The VM's
+    speed drifts by up to 2x over tens of seconds; the ratio to HF is the median
+    of each round's ratio, which that drift cancels out of."""
+    decode, prefill = [], []
+    for batch in batch_sizes:
+        runs = {e: [] for e in engines if batch in e.info.get("batch_sizes", (batch,))}
+        for _ in range(repeats):
+            for engine in runs:
+                runs[engine].append(engine.decode(batch))
+        hf = next((r for e, r in runs.items() if e.engine == "hf"), None)
+        for engine, r in runs.items():
+            steps = [step for step, _ in r]
+            row = dict(engine=engine.engine, config=engine.config, batch_size=batch,
+                       decode_step_ms=median(steps) * 1e3, decode_tokens_per_s=batch / median(steps),
+                       decode_step_ms_runs=[t * 1e3 for t in steps],
+                       ratio_to_hf=median(h / t for (h, _), t in zip(hf, steps)) if hf else None)
+            if r[0][1] is not None:
+                row["prompt_prefill_s"] = median(p for _, p in r)
+            decode.append(row)
+            log(row)
+    times = {e: [] for e in engines}
+    for _ in range(repeats):
+        for engine in engines:
+            times[engine].append(engine.prefill())
+    hf = next((t for e, t in times.items() if e.engine == "hf"), None)
+    for engine, t in times.items():
+        prefill.append(dict(engine=engine.engine, config=engine.config, prefill_s=median(t),
+                            ratio_to_hf=median(h / x for h, x in zip(hf, t)) if hf else None))
+    return decode, prefill
 
 
 # -- report ------------------------------------------------------------------------
@@ -296,13 +315,7 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 
 def report(decode, prefill, read_gbs) -> str:
-    """The decode and prefill tables; adds ratio_to_hf to every row."""
-    hf = {r["batch_size"]: r["decode_tokens_per_s"] for r in decode if r["engine"] == "hf"}
-    hf_prefill = next((r["prefill_tokens_per_s"] for r in prefill if r["engine"] == "hf"), None)
-    for r in decode:
-        r["ratio_to_hf"] = r["decode_tokens_per_s"] / hf[r["batch_size"]] if r["batch_size"] in hf else None
-    for r in prefill:
-        r["ratio_to_hf"] = r["prefill_tokens_per_s"] / hf_prefill if hf_prefill else None
+    """The decode and prefill tables (ratio_to_hf: median of the rounds' ratios, see measure)."""
     decode_rows = [[r["engine"], r["config"], r["batch_size"], r["decode_tokens_per_s"], r["decode_step_ms"],
                     r["ratio_to_hf"], r["batch_size"] * r["prompt_len"] / r["prompt_prefill_s"]
                     if r.get("prompt_prefill_s") else None,
@@ -348,25 +361,19 @@ def main() -> int:
     print(f"{path.name}: {machine['cpu_model']}, {threads} threads, jax {jax.__version__}, torch {machine['torch']}")
 
     def log(row):
+        ratio = "" if row["ratio_to_hf"] is None else f", {row['ratio_to_hf']:.2f}x HF"
         print(f"  {row['engine']:<9} {row['config']:<7} batch {row['batch_size']:>3}: "
-              f"{row['decode_tokens_per_s']:8.1f} tok/s ({row['decode_step_ms']:.1f} ms/step)", flush=True)
+              f"{row['decode_tokens_per_s']:8.1f} tok/s ({row['decode_step_ms']:.1f} ms/step{ratio})", flush=True)
 
     read_gbs = read_bandwidth_gbs(args.bandwidth_mb * 2**20)
     copy_gbs = copy_bandwidth_gbs(args.bandwidth_mb * 2**20, iters=5)
     print(f"memory read bandwidth {read_gbs:.1f} GB/s (jitted sum over {args.bandwidth_mb} MiB)", flush=True)
 
-    print("hf transformers", flush=True)
-    decode, hf_prefill, hf_tokens = run_hf(path, threads, prompts, prefill_prompt, batch_sizes, args.output_len,
-                                           args.repeats, log)
-    gc.collect()  # each engine's model is freed before the next one loads
-    prefill, tokens = [hf_prefill], {"hf": hf_tokens}
+    print("hf transformers (load)", flush=True)
+    engines = [setup_hf(path, threads, prompts, prefill_prompt, args.output_len)]
     for scheme in schemes:
         print(f"jaxinfer {scheme} (load + compile)", flush=True)
-        rows, row, tokens[f"jaxinfer-{scheme}"] = run_jaxinfer(path, scheme, prompts, prefill_prompt, batch_sizes,
-                                                              args.output_len, args.repeats, read_gbs, log)
-        decode += rows
-        prefill.append(row)
-        gc.collect()
+        engines.append(setup_jaxinfer(path, scheme, prompts, prefill_prompt, batch_sizes, args.output_len))
     try:
         import llama_cpp
     except ImportError:
@@ -374,13 +381,27 @@ def main() -> int:
     if llama_cpp is not None:
         print(f"llama.cpp {llama_cpp.__version__}", flush=True)
         machine["llama_cpp"] = llama_cpp.__version__
-        rows, row = run_llama_cpp(path, threads, prompts[0], prefill_prompt, args.output_len, args.repeats, log)
-        decode += rows
-        prefill.append(row)
+        engines.append(setup_llama_cpp(path, threads, prompts[0], prefill_prompt, args.output_len))
+    decode, prefill = measure(engines, batch_sizes, args.repeats, log)
+    for engine in engines:
+        if engine.engine != "jaxinfer":
+            continue
+        stats = engine.info["llm"].stats()
+        for key, what in (("num_compilations", "compilation(s) after warm-up"), ("num_preemptions", "preemption(s)")):
+            if stats[key] > engine.info[key.removeprefix("num_")]:
+                print(f"warning: jaxinfer {engine.config}: {what} in the timed runs", file=sys.stderr)
+        for row in decode:
+            if row["engine"] == "jaxinfer" and row["config"] == engine.config and row["batch_size"] == 1:
+                step = row["decode_step_ms"] * 1e-3
+                weight_bytes = engine.info["weight_bytes_per_step"]
+                row.update(weight_bytes_per_step=weight_bytes, weights_GBs=weight_bytes / step / 1e9,
+                           share_of_read_bandwidth=weight_bytes / step / 1e9 / read_gbs)
+    tokens = {("hf" if e.engine == "hf" else f"{e.engine}-{e.config}"): e.tokens for e in engines}
+    hf_tokens = tokens["hf"]
     for r in decode:
         r.update(prompt_len=args.prompt_len, output_len=args.output_len)
     for r in prefill:
-        r["prefill_len"] = args.prefill_len
+        r.update(prefill_len=args.prefill_len, prefill_tokens_per_s=args.prefill_len / r["prefill_s"])
 
     checked = min(CHECK_TOKENS, args.output_len)
     jax_tokens = tokens.get("jaxinfer-none")
