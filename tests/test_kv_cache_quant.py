@@ -273,8 +273,11 @@ def test_attention_over_quantized_cache(kv_cache_dtype, step, backend):
     if kv_cache_dtype == "fp8" and backend == "xla":
         # The GPU form of the pool (float8_e4m3fn rather than uint8 bits) reads the same.
         gpu_pools = [as_fp8(pool) for pool in cache[:2]]
+        # As the engine calls it: the step's own rows' K/V (what the pool now holds) handed in.
+        new_k, new_v = (np.stack([held[s][p] for s, p in zip(meta.token_seq, meta.positions)]).astype(np.float32)
+                        for held in (held_k, held_v))
         again = paged_attention_reference(q, *gpu_pools, meta, layer_index=LAYER, k_scales=cache[2],
-                                          v_scales=cache[3])
+                                          v_scales=cache[3], new_k=new_k, new_v=new_v)
         np.testing.assert_array_equal(np.asarray(again, np.float64), out)
 
     # 2. Within the worst-case bound of the same step over a float cache (see

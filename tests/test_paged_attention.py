@@ -80,8 +80,14 @@ def test_paged_attention_matches_float64(seed):
     sliding_window = 7 if seed == 5 else None
     q, k_pool, v_pool, meta, dense_k, dense_v = make_case(rng, 5, block_size, 2, group, head_dim, 5)
     tile_blocks = [1, 2, 8][seed % 3]
-    out = paged_attention_reference(q, k_pool, v_pool, meta, sliding_window, tile_blocks=tile_blocks)
     expected = numpy_attention(q, meta, dense_k, dense_v, group, sliding_window)
+    out = paged_attention_reference(q, k_pool, v_pool, meta, sliding_window, tile_blocks=tile_blocks)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-4)
+    # The engine's form: the step's own rows' K/V handed in, tiles only for the keys cached before them.
+    new_k, new_v = (np.stack([d[s][p] for s, p in zip(meta.token_seq, meta.positions)]) for d in (dense_k, dense_v))
+    out = paged_attention_reference(q, k_pool, v_pool, meta, sliding_window, tile_blocks=tile_blocks,
+                                    new_k=new_k, new_v=new_v)
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-4)
 
@@ -102,6 +108,9 @@ def test_padding_tokens_give_zeros_without_nan():
     q = np.vstack([q, rng.standard_normal((1,) + q.shape[1:]).astype(np.float32)])
     out = np.asarray(paged_attention_reference(q, k_pool, v_pool, meta))
     assert np.isfinite(out).all() and (out[-1] == 0).all()
+    new_kv = rng.standard_normal((2, len(q), *k_pool.shape[2:])).astype(np.float32)  # padding row's K/V: anything
+    with_new = np.asarray(paged_attention_reference(q, k_pool, v_pool, meta, new_k=new_kv[0], new_v=new_kv[1]))
+    assert np.isfinite(with_new).all() and (with_new[-1] == 0).all()
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])

@@ -55,7 +55,7 @@ class PagedAttentionMetadata:
 
 
 def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, sliding_window=None, tile_blocks=8,
-                              layer_index=None, k_scales=None, v_scales=None):
+                              layer_index=None, k_scales=None, v_scales=None, new_k=None, new_v=None):
     """q [T, H, D]; k_pool, v_pool [num_blocks, block_size, KV, D] -> [T, H, D].
 
     With `layer_index`, the pools are the whole cache [layers, num_blocks, ...]
@@ -65,6 +65,14 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
     scales [(layers,) num_blocks, block_size, KV]; each gathered tile is
     dequantized, so only a tile is ever held in float32.
     Tokens whose sequence has context_len 0 (padding) get zeros.
+
+    new_k, new_v [T, KV, D]: the step's own K/V as the pool holds them
+    (stored_kv), given when they are already in the pool. Keys at or after
+    a sequence's first new position then come from them, all T x T at once
+    (masked to the same sequence and causally), and tiles are gathered only
+    for the keys cached before the step: a fresh prompt gathers nothing,
+    where gathering a tile per query token cost a 512-token prefill
+    O(tokens x context) copies.
     """
     quantized = k_scales is not None
     if quantized != (v_scales is not None):
@@ -83,16 +91,37 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
     padded_blocks = -(-max_blocks // tile_blocks) * tile_blocks
     tables = jnp.pad(meta.block_tables, ((0, 0), (0, padded_blocks - max_blocks)))[meta.token_seq]  # [T, blocks]
     tile_tokens = tile_blocks * block_size
-    num_tiles = (jnp.max(meta.context_lens) + tile_tokens - 1) // tile_tokens
     positions = meta.positions
     valid_query = meta.context_lens[meta.token_seq] > 0
+    stats_shape = (num_tokens, num_kv_heads, group)
+    if new_k is None:
+        cached_end = positions + 1  # every key, the token's own included, comes from the pool
+        init = None
+    else:
+        # Sequence s's new rows are query_start[s]:query_start[s + 1], at positions
+        # context_len - q_len onwards; rows past query_start[-1] are padding.
+        q_lens = meta.query_start[1:] - meta.query_start[:-1]
+        cached_end = (meta.context_lens - q_lens)[meta.token_seq]
+        real_key = jnp.arange(num_tokens) < meta.query_start[-1]
+        mask = ((meta.token_seq[:, None] == meta.token_seq[None, :]) & real_key[None, :]
+                & (positions[None, :] <= positions[:, None]) & valid_query[:, None])
+        if sliding_window is not None:
+            mask &= positions[:, None] - positions[None, :] < sliding_window
+        scores = jnp.einsum("tkgd,skd->tkgs", q, new_k.astype(jnp.float32))
+        scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+        empty = (jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+                 jnp.zeros((*stats_shape, head_dim), jnp.float32))
+        init = online_softmax_update(*empty, scores, lambda probs: jnp.einsum("tkgs,skd->tkgd", probs,
+                                                                               new_v.astype(jnp.float32)))
+    cached_end = jnp.where(valid_query, cached_end, 0)
+    num_tiles = (jnp.max(cached_end) + tile_tokens - 1) // tile_tokens
 
     def visit_tile(tile, carry):
         running_max, denom, acc = carry
         blocks = jax.lax.dynamic_slice_in_dim(tables, tile * tile_blocks, tile_blocks, axis=1)  # [T, tb]
         k, v = gather_tile(k_pool, v_pool, k_scales, v_scales, layer_index, blocks)
         key_pos = tile * tile_tokens + jnp.arange(tile_tokens)
-        mask = (key_pos[None, :] <= positions[:, None]) & valid_query[:, None]
+        mask = key_pos[None, :] < cached_end[:, None]
         if sliding_window is not None:
             mask &= positions[:, None] - key_pos[None, :] < sliding_window
         scores = jnp.einsum("tkgd,tskd->tkgs", q, k)
@@ -104,7 +133,7 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
         return online_softmax_update(running_max, denom, acc, scores,
                                      lambda probs: jnp.einsum("tkgs,tskd->tkgd", probs, v))
 
-    out = _online_softmax(visit_tile, num_tiles, (num_tokens, num_kv_heads, group), head_dim)
+    out = _online_softmax(visit_tile, num_tiles, stats_shape, head_dim, init)
     return out.reshape(num_tokens, num_heads, head_dim)
 
 
@@ -167,14 +196,15 @@ def gather_tile(k_pool, v_pool, k_scales, v_scales, layer_index, blocks):
     return k, v
 
 
-def _online_softmax(visit_tile, num_tiles, stats_shape, head_dim):
-    """Run visit_tile over num_tiles tiles from empty statistics and normalize;
-    rows that saw no key (padding) give zeros."""
-    init = (
-        jnp.full(stats_shape, -jnp.inf, jnp.float32),
-        jnp.zeros(stats_shape, jnp.float32),
-        jnp.zeros((*stats_shape, head_dim), jnp.float32),
-    )
+def _online_softmax(visit_tile, num_tiles, stats_shape, head_dim, init=None):
+    """Run visit_tile over num_tiles tiles from `init` (default: empty
+    statistics) and normalize; rows that saw no key (padding) give zeros."""
+    if init is None:
+        init = (
+            jnp.full(stats_shape, -jnp.inf, jnp.float32),
+            jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros((*stats_shape, head_dim), jnp.float32),
+        )
     _, denom, acc = jax.lax.fori_loop(0, num_tiles, visit_tile, init)
     return jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
 
@@ -245,7 +275,9 @@ def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, bac
         if backend == "xla":
             k_pool, v_pool, k_scales, v_scales = pools
             out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index,
-                                            k_scales=k_scales, v_scales=v_scales)
+                                            k_scales=k_scales, v_scales=v_scales,
+                                            new_k=stored_kv(k[0], k_pool.dtype, k_scales is not None),
+                                            new_v=stored_kv(v[0], v_pool.dtype, v_scales is not None))
         else:
             out = shard_heads(kernel, mesh)(q[0], *pools, layer_index, meta)
         return out[None].astype(q.dtype), kv_cache
@@ -284,6 +316,16 @@ def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_wind
         return out.reshape(1, num_tokens, num_heads, head_dim).astype(q.dtype), kv_cache
 
     return attend
+
+
+def stored_kv(x, storage_dtype, quantized: bool):
+    """New K or V [T, KV, D] as float32 with exactly the value the pool now
+    holds for it (as gather_tile would read it back): rounded to the pool's
+    dtype, or quantized with its per-token scale and dequantized."""
+    if not quantized:
+        return x.astype(storage_dtype).astype(jnp.float32)
+    values, scales = quantize_kv(x, storage_dtype)
+    return as_fp8(values).astype(jnp.float32) * scales[..., None]
 
 
 def _write_new_kv(kv_cache, layer_index, k, v, meta: PagedAttentionMetadata):
