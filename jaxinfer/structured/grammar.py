@@ -155,9 +155,8 @@ class GrammarCompiler:
 
         grammar = grammar_text(spec)
         start = time.perf_counter()
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.lltokenizer)
-        if is_error:
-            raise GrammarError(f"structured_outputs.{spec.kind}: {messages[0] if messages else 'invalid'}")
+        # The constructor reports a bad grammar through is_error() and drops the
+        # GIL while it builds (validate_grammar would hold it, stalling steps).
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"structured_outputs.{spec.kind}: {matcher.get_error()}")
