@@ -82,9 +82,11 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(engine_seed())  # the same on every host of a lockstep run
         self.host_time = 0.0
         self.device_time = 0.0
-        # Structured outputs: the compiler (made on the first such request) and
-        # the requests waiting for their grammar: (state, future, deadline).
-        self._grammars: GrammarCompiler | None = None
+        # Structured outputs: the compiler (cheap to make: its worker and the
+        # llguidance tokenizer start on the first compile; made here, not lazily,
+        # because server handler threads submit to it too) and the requests
+        # waiting for their grammar: (state, future, deadline).
+        self._grammars = GrammarCompiler(self.tokenizer, model.config.vocab_size) if self.tokenizer else None
         self._pending: list[tuple[RequestState, concurrent.futures.Future, float]] = []
 
     # -- requests ------------------------------------------------------------
@@ -123,7 +125,7 @@ class LLMEngine:
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+            raise RequestError("structured_outputs need a tokenizer, and this model has none")
         return self._grammars
 
     def check_structured_outputs(self, name: str, params: SamplingParams) -> None:

@@ -124,7 +124,7 @@ class GrammarCompiler:
             raise GrammarError("structured outputs need a tokenizer, and this model has none")
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._lltokenizer: llguidance.LLTokenizer | None = None
+        self._lltokenizer: llguidance.LLTokenizer | None = None  # built on the worker only
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxinfer-grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
