@@ -253,3 +253,18 @@ def test_sentencepiece_and_gguf_vocabularies(tmp_path):
         assert set(np.flatnonzero(bits)) == set(tok.eos_token_ids), type(tok).__name__
         assert isinstance(compiler.lltokenizer, llguidance.LLTokenizer)
         compiler.shutdown()
+
+
+def test_constrained_requests_never_draft():
+    """Speculative decoding: drafts are not checked against the grammar, so a
+    constrained sequence is offered none (engine/spec/proposer.py)."""
+    from types import SimpleNamespace
+
+    from jaxinfer.engine.spec.proposer import Proposer
+
+    proposer = Proposer(num_speculative_tokens=4, max_model_len=256)
+    plain = SamplingParams(max_tokens=32)
+    constrained = plain.with_updates(structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    for params, expected in ((plain, 4), (constrained, 0)):
+        seq = SimpleNamespace(params=params, output_token_ids=[], num_tokens=8)
+        assert proposer.max_drafts(seq) == expected

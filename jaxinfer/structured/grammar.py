@@ -97,7 +97,10 @@ def make_lltokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     eos = sorted(tokenizer.eos_token_ids)
     if not eos:
         raise GrammarError("structured outputs need the model's EOS token, and its tokenizer names none")
-    n_vocab = max(vocab_size, tokenizer.vocab_size)
+    if tokenizer.vocab_size > vocab_size:  # the bitmask has one bit per logit
+        raise GrammarError(f"structured outputs need the tokenizer's {tokenizer.vocab_size} tokens to fit the "
+                           f"model's {vocab_size} logits")
+    n_vocab = vocab_size
     if hasattr(tokenizer, "backend"):  # HFTokenizer
         return llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n_vocab, eos_token=eos)
     if hasattr(tokenizer, "processor"):  # SentencePieceTokenizer
