@@ -268,3 +268,40 @@ def test_constrained_requests_never_draft():
     for params, expected in ((plain, 4), (constrained, 0)):
         seq = SimpleNamespace(params=params, output_token_ids=[], num_tokens=8)
         assert proposer.max_drafts(seq) == expected
+
+
+def test_max_tokens_stop_strings_and_streaming(llm):
+    letters = StructuredOutputsParams(regex="[a-z]{30}")
+    cut, stopped = llm.generate(["Letters:", "Letters:"], [
+        SamplingParams(temperature=1.0, seed=4, max_tokens=5, structured_outputs=letters),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=["Par"],
+                       structured_outputs=StructuredOutputsParams(choice=["Paris is big", "Madrid is big"]))],
+        use_tqdm=False)
+    assert cut.outputs[0].finish_reason == "length" and re.fullmatch("[a-z]+", cut.outputs[0].text)
+    full = llm.generate("The capital of France is", SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(choice=["Paris is big", "Madrid is big"])),
+        use_tqdm=False)[0].outputs[0].text
+    assert full in ("Paris is big", "Madrid is big")
+    # The stop string cuts the constrained text where it first appears (vLLM: not included).
+    assert stopped.outputs[0].text == (full[:full.index("Par")] if "Par" in full else full)
+    pieces = list(llm.stream("Digits:", SamplingParams(temperature=1.0, seed=5, max_tokens=20,
+                                                       structured_outputs=StructuredOutputsParams(regex="[0-9]{12}"))))
+    assert len(pieces) > 1 and re.fullmatch("[0-9]{12}", "".join(pieces))
+
+
+def test_speculative_engine_masks_the_constrained_rows():
+    """With n-gram drafts: the repetitive unconstrained request verifies drafts
+    while the constrained one, in the same steps, decodes one masked token per
+    step through the verify step's plain sampler."""
+    spec = LLM(progress=False, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
+               speculative={"method": "ngram", "num_speculative_tokens": 3})
+    repeat = "one two three four one two three four one two three four one two"
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    alone = spec.generate(repeat, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    before = spec.stats()["spec_verifications"]
+    mixed = spec.generate([repeat, "Digits:"], [greedy, SamplingParams(
+        temperature=1.0, seed=6, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="[0-9]{16}"))],
+        use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+    assert re.fullmatch("[0-9]{16}", mixed[1].outputs[0].text), mixed[1].outputs[0].text
+    assert spec.stats()["spec_verifications"] > before and spec.stats()["structured_masks"] >= 16
