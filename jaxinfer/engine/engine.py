@@ -15,7 +15,9 @@ the scheduler, while its grammar compiles on the compiler's worker thread
 (structured/grammar.py); each step admits the requests whose grammar is
 ready (every sequence gets its own matcher) and fails, alone, those whose
 compile failed or passed `structured_outputs_compile_timeout`: they finish
-with `RequestOutput.error` naming the problem.
+with `RequestOutput.error` naming the problem. In a multi-host lockstep run
+add_request waits for the compile instead, so every host admits the request
+in the same step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import concurrent.futures
 import itertools
 import time
 
+import jax
 import numpy as np
 
 from jaxinfer.engine.block_manager import BlockManager
@@ -183,6 +186,10 @@ class LLMEngine:
                 self.scheduler.add(seq)
         else:
             future = self.grammar_compiler.submit(params.structured_outputs)
+            if jax.process_count() > 1:
+                # Lockstep hosts must admit it in the same step: wait here, so that
+                # the next step finds the compile done (or failed) on every host.
+                concurrent.futures.wait([future])
             self._pending.append((state, future, time.perf_counter() + self.config.structured_outputs_compile_timeout))
 
     def _admit_compiled(self) -> list[RequestOutput]:
