@@ -2,7 +2,7 @@
 
 Public API::
 
-    from jaxinfer import LLM, SamplingParams, load
+    from jaxinfer import LLM, SamplingParams, StructuredOutputsParams, load
 
 Names are resolved lazily so that `import jaxinfer` (and the CLI's `--help`)
 does not pay for importing JAX.
@@ -17,6 +17,7 @@ _EXPORTS = {
     "load": "jaxinfer.loading.model",
     "Model": "jaxinfer.loading.model",
     "SamplingParams": "jaxinfer.sampling_params",
+    "StructuredOutputsParams": "jaxinfer.sampling_params",
     "InvalidSamplingParameter": "jaxinfer.sampling_params",
     "RequestOutput": "jaxinfer.outputs",
     "CompletionOutput": "jaxinfer.outputs",

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.errors import RequestError
 from jaxinfer.loading.model import load
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -107,6 +108,8 @@ class LLM:
         # call without leaving the others half-run in the engine.
         for i, ((_, token_ids), params) in enumerate(zip(prompts, sampling_params)):
             self.engine.validate(f"prompt {i}", token_ids, params)
+        for i, params in enumerate(sampling_params):  # compiles grammars now (cached), failing before any runs
+            self.engine.check_structured_outputs(f"prompt {i}", params)
         order = []
         for (text, token_ids), params in zip(prompts, sampling_params):
             request_id = f"generate-{next(self._request_ids)}"
@@ -146,6 +149,8 @@ class LLM:
             for output in self.engine.step():
                 if output.request_id != request_id:
                     continue
+                if output.error:
+                    raise RequestError(output.error)
                 completion = output.outputs[0]
                 final = len(completion.text) if output.finished else len(completion.text) - hold
                 if final > emitted:

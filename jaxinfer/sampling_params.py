@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -31,6 +32,87 @@ def _float(name: str, value: Any) -> float:
     return value
 
 
+# -- structured outputs -------------------------------------------------------
+# StructuredOutputsParams: what a request's output must match, with vLLM's
+# names (`SamplingParams(structured_outputs=...)`).
+#
+# Exactly one of `json` (a JSON schema, as a dict or a JSON string),
+# `regex`, `choice` (a list of strings), `grammar` (a Lark grammar, or GBNF as
+# llama.cpp writes it) or `json_object=True` (any JSON object). Checked here
+# without a tokenizer: the kinds, the types, that a JSON string parses. Whether
+# the schema or grammar compiles is known only to llguidance
+# (structured/grammar.py), off the step path.
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class InvalidStructuredOutputs(InvalidSamplingParameter):
+    """A StructuredOutputsParams is malformed; the message starts with "structured_outputs"."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidStructuredOutputs(
+                f"structured_outputs: give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise InvalidStructuredOutputs(f"structured_outputs.json: not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidStructuredOutputs(
+                    f"structured_outputs.json: a JSON schema must be an object, got {type(schema).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidStructuredOutputs(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise InvalidStructuredOutputs(
+                    f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object not in (None, True, False):
+            raise InvalidStructuredOutputs(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """Hashable and canonical (a schema's key order does not matter): the compile cache's key."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            value = json.loads(value) if isinstance(value, str) else value
+            return kind, json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, json.dumps(value)
+        return kind, "" if kind == "json_object" else value
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
+        """From a request's JSON (the server's `structured_outputs` field)."""
+        if not isinstance(fields, dict):
+            raise InvalidStructuredOutputs(f"structured_outputs must be an object, got {fields!r}")
+        unknown = sorted(set(fields) - set(STRUCTURED_OUTPUT_KINDS))
+        if unknown:
+            raise InvalidStructuredOutputs(f"structured_outputs: unknown field(s) {unknown}; known: {list(STRUCTURED_OUTPUT_KINDS)}")
+        return cls(**fields)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request.
@@ -41,7 +123,9 @@ class SamplingParams:
     token, the k most likely tokens plus the sampled one. `seed` is the seed of
     this request's own random generator (None: fresh entropy).
     `skip_special_tokens=False` keeps special tokens (e.g. a chat template's
-    markers) in the detokenized text.
+    markers) in the detokenized text. `structured_outputs` constrains the
+    output to a JSON schema, regex, choice or grammar (StructuredOutputsParams,
+    or a dict of its fields).
     """
 
     n: int = 1
@@ -59,6 +143,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -114,6 +199,15 @@ class SamplingParams:
             self.logprobs = _int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise InvalidSamplingParameter(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+            except TypeError as e:
+                raise InvalidSamplingParameter(f"structured_outputs: {e}") from None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidSamplingParameter(
+                f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:

@@ -271,6 +271,38 @@ def test_bad_inputs_are_named_while_a_stream_runs(server, reference):
     assert result["texts"] == {0: reference["chat"].text}
 
 
+# -- structured outputs ------------------------------------------------------------------------------
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+def test_structured_outputs_json_schema_regex_and_bad_schema(server):
+    """response_format json_schema on chat (the real openai client) gives JSON
+    that jsonschema validates; vLLM's structured_outputs on completions,
+    streamed, fullmatches its regex; a schema that does not compile is a 400
+    naming the problem, streamed or not."""
+    import re
+
+    import jsonschema
+
+    for seed in (0, 1):
+        full = server.client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=48, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}})
+        jsonschema.validate(json.loads(full.choices[0].message.content), CITY)
+        assert full.choices[0].finish_reason == "stop"
+    chunks = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=3,
+                                              stream=True, extra_body={"structured_outputs": {"regex": "[A-Z][a-z]{2,9}"}})
+    texts, finish, _ = stream_text(chunks)
+    assert re.fullmatch("[A-Z][a-z]{2,9}", texts[0]) and finish == {0: "stop"}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="structured_outputs.json: Invalid type"):
+            server.client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=8, stream=stream,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}})
+
+
 # -- disconnects --------------------------------------------------------------------------------------
 def wait_idle(server, before_aborts):
     """Poll /metrics (bounded) until no request runs or waits and no KV block is held."""

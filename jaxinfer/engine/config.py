@@ -39,6 +39,9 @@ class EngineConfig:
     # None, or {"method": "ngram" | "draft_model" | "eagle", "num_speculative_tokens": k, ...}
     # (see engine/spec/config.py); parsed into a SpeculativeConfig.
     speculative: dict | SpeculativeConfig | None = None
+    # Structured outputs: seconds a request waits for its grammar to compile
+    # before it fails (the compile runs on a worker thread, off the step path).
+    structured_outputs_compile_timeout: float = 10.0
 
     def __post_init__(self):
         platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
@@ -60,6 +63,10 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks must be an int >= 2 (block 0 is reserved), got {self.num_kv_blocks!r}")
+        if not (isinstance(self.structured_outputs_compile_timeout, (int, float))
+                and self.structured_outputs_compile_timeout > 0):
+            raise ValueError("structured_outputs_compile_timeout must be a positive number of seconds, got "
+                             f"{self.structured_outputs_compile_timeout!r}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
 

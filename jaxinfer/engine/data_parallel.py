@@ -59,6 +59,9 @@ class DataParallelEngine:
     def validate(self, name, prompt_token_ids, params) -> None:
         self.replicas[0].validate(name, prompt_token_ids, params)  # replicas are configured alike
 
+    def check_structured_outputs(self, name, params) -> None:
+        self.replicas[0].check_structured_outputs(name, params)  # each replica compiles (and caches) its own
+
     def add_request(self, request_id: str, prompt_token_ids, params, prompt=None) -> int:
         if request_id in self.replica_of:
             raise RequestError(f"request {request_id}: id already in use")

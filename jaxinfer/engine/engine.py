@@ -9,13 +9,24 @@ One step, speculative or not, is one path:
 
 Bad requests are rejected at add_request with a RequestError naming the
 problem; the engine keeps serving the others.
+
+Structured outputs: a request with `structured_outputs` waits here, outside
+the scheduler, while its grammar compiles on the compiler's worker thread
+(structured/grammar.py); each step admits the requests whose grammar is
+ready (every sequence gets its own matcher) and fails, alone, those whose
+compile failed or passed `structured_outputs_compile_timeout`: they finish
+with `RequestOutput.error` naming the problem. In a multi-host lockstep run
+add_request waits for the compile instead, so every host admits the request
+in the same step.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import time
 
+import jax
 import numpy as np
 
 from jaxinfer.engine.block_manager import BlockManager
@@ -24,13 +35,15 @@ from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.request import RequestState
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.sequence import Sequence, SequenceStatus
 from jaxinfer.engine.spec.proposer import build_proposer
 from jaxinfer.errors import RequestError
 from jaxinfer.loading.model import Model
 from jaxinfer.models import kv_cache
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.structured.grammar import GrammarCompiler, GrammarError, grammar_text
+from jaxinfer.structured.matcher import StructuredState
 
 
 
@@ -72,6 +85,12 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(engine_seed())  # the same on every host of a lockstep run
         self.host_time = 0.0
         self.device_time = 0.0
+        # Structured outputs: the compiler (cheap to make: its worker and the
+        # llguidance tokenizer start on the first compile; made here, not lazily,
+        # because server handler threads submit to it too) and the requests
+        # waiting for their grammar: (state, future, deadline).
+        self._grammars = GrammarCompiler(self.tokenizer, model.config.vocab_size) if self.tokenizer else None
+        self._pending: list[tuple[RequestState, concurrent.futures.Future, float]] = []
 
     # -- requests ------------------------------------------------------------
     def validate(self, name: str, prompt_token_ids, params: SamplingParams) -> None:
@@ -98,6 +117,37 @@ class LLMEngine:
                 f"{name}: needs {blocks} KV blocks at full length ({longest} tokens) but the cache "
                 f"has {self.block_manager.num_usable_blocks}; lower max_tokens or raise num_kv_blocks"
             )
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise RequestError(f"{name}: structured_outputs need a tokenizer, and this model has none")
+            try:
+                grammar_text(params.structured_outputs)  # cheap; whether it compiles is the worker's to say
+            except GrammarError as e:
+                raise RequestError(f"{name}: {e}") from None
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            raise RequestError("structured_outputs need a tokenizer, and this model has none")
+        return self._grammars
+
+    def check_structured_outputs(self, name: str, params: SamplingParams) -> None:
+        """Compile a request's grammar now (cached for its add_request) and
+        raise RequestError if it does not compile in time: what a caller that
+        waits anyway (LLM.generate) uses to fail before submitting anything."""
+        if params.structured_outputs is None:
+            return
+        future = self.grammar_compiler.submit(params.structured_outputs)
+        try:
+            future.result(timeout=self.config.structured_outputs_compile_timeout)
+        except concurrent.futures.TimeoutError:
+            raise RequestError(f"{name}: {self._timeout_message(params)}") from None
+        except GrammarError as e:
+            raise RequestError(f"{name}: {e}") from None
+
+    def _timeout_message(self, params: SamplingParams) -> str:
+        return (f"structured_outputs.{params.structured_outputs.kind}: the grammar did not compile within "
+                f"structured_outputs_compile_timeout={self.config.structured_outputs_compile_timeout} s")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt=None) -> None:
         prompt_token_ids = list(prompt_token_ids)
@@ -129,13 +179,56 @@ class LLMEngine:
             if params.logprobs is not None:
                 seq.output.cumulative_logprob = 0.0
             sequences.append(seq)
-            self.scheduler.add(seq)
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, sequences, metrics)
+        state = RequestState(request_id, prompt, prompt_token_ids, sequences, metrics)
+        self.requests[request_id] = state
+        if params.structured_outputs is None:
+            for seq in sequences:
+                self.scheduler.add(seq)
+        else:
+            future = self.grammar_compiler.submit(params.structured_outputs)
+            if jax.process_count() > 1:
+                # Lockstep hosts must admit it in the same step: wait here, so that
+                # the next step finds the compile done (or failed) on every host.
+                concurrent.futures.wait([future])
+            self._pending.append((state, future, time.perf_counter() + self.config.structured_outputs_compile_timeout))
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar is ready; fail those whose compile
+        failed or timed out (returned, finished, with their error)."""
+        failed, still = [], []
+        now = time.perf_counter()
+        for state, future, deadline in self._pending:
+            params = state.sequences[0].params
+            if future.done():
+                error = future.exception()
+                if error is None:
+                    compiled = future.result()
+                    for seq in state.sequences:
+                        seq.structured = StructuredState(compiled.new_matcher())
+                        self.scheduler.add(seq)
+                    continue
+                message = str(error) if isinstance(error, GrammarError) else (
+                    f"structured_outputs.{params.structured_outputs.kind}: {type(error).__name__}: {error}")
+            elif now > deadline:
+                message = self._timeout_message(params)
+            else:
+                still.append((state, future, deadline))
+                continue
+            state.error = f"request {state.request_id}: {message}"
+            for seq in state.sequences:
+                seq.output.finish_reason = "abort"
+                seq.status = SequenceStatus.FINISHED
+            state.metrics.finished_time = now
+            del self.requests[state.request_id]
+            failed.append(state.output())
+        self._pending = still
+        return failed
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
+        self._pending = [p for p in self._pending if p[0] is not state]
         for seq in state.sequences:
             if not seq.is_finished:
                 seq.output.finish_reason = "abort"
@@ -144,7 +237,7 @@ class LLMEngine:
         return state.output()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     # -- one step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -152,9 +245,13 @@ class LLMEngine:
         (finished ones for the last time, then forgotten)."""
         start = time.perf_counter()
         device_before = self.runner.device_time + self.proposer.device_time
+        failed = self._admit_compiled() if self._pending else []
         batch = self.scheduler.schedule()
         if not batch.sequences:
-            return []
+            if self._pending and not failed:  # nothing to run but grammars compiling: wait, not spin
+                concurrent.futures.wait([f for _, f, _ in self._pending], timeout=0.01,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            return failed
         now = time.perf_counter()
         for seq in batch.sequences:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
@@ -165,7 +262,7 @@ class LLMEngine:
         device = self.runner.device_time + self.proposer.device_time - device_before
         self.device_time += device
         self.host_time += time.perf_counter() - start - device
-        return outputs
+        return failed + outputs
 
     def outstanding_tokens(self) -> tuple[int, int]:
         """(prompt tokens not yet computed, tokens still to generate) over
@@ -182,7 +279,7 @@ class LLMEngine:
         sequences holds a slot in the batch (vLLM's num_requests_running)."""
         running = {s.request_id for s in self.scheduler.running}
         waiting = {s.request_id for s in self.scheduler.waiting} - running
-        return len(running), len(waiting)
+        return len(running), len(waiting) + len(self._pending)
 
     def stats(self) -> dict:
         bm, processed = self.block_manager, self.output_processor
@@ -203,4 +300,7 @@ class LLMEngine:
             "spec_proposed_tokens": processed.num_draft_tokens,
             "spec_accepted_tokens": processed.num_accepted_tokens,
             "spec_verifications": processed.num_verifications,
+            # Structured outputs: host seconds filling token bitmasks, and rows filled.
+            "structured_mask_time_s": self.runner.mask_time,
+            "structured_masks": self.runner.num_masks,
         }

@@ -8,10 +8,14 @@ advances num_computed_tokens to the tokens whose K/V are now valid;
 registers their full blocks in the prefix cache and trims blocks past the
 sequence's length (a rejected draft's slots, which later steps rewrite);
 and finishes sequences, freeing their blocks.
+
+Structured outputs: every emitted token advances the sequence's matcher; the
+sequence stops ("stop") once its grammar is complete and allows only EOS.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from jaxinfer.engine.block_manager import BlockManager
@@ -20,6 +24,8 @@ from jaxinfer.engine.runner import StepOutput
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -87,6 +93,13 @@ class OutputProcessor:
                 lp.decoded_token = self.tokenizer.decode([token_id]) if self.tokenizer else None
             completion.logprobs.append(entry)
             completion.cumulative_logprob += entry[token].logprob
+        if seq.structured is not None:
+            if not seq.structured.accept(token):
+                # Only when llguidance gave up (out of fuel): the output can no longer follow the grammar.
+                log.error("request %s: structured output stopped: %s", seq.request_id, seq.structured.error)
+                completion.finish_reason = "stop"
+            elif seq.structured.is_finished:
+                completion.finish_reason = "stop"
         if token in (params.stop_token_ids or ()) or token in seq.eos_token_ids:
             completion.finish_reason = "stop"
             completion.stop_reason = token if token in (params.stop_token_ids or ()) else None

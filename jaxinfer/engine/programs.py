@@ -12,7 +12,10 @@
                "verify"  exactly 1 + K rows per sequence (its last token and
                          its drafts), logits at every row, attention with one
                          context gather per sequence (models/paged_attention.py)
-    sample   one token per sequence from its logits (engine/sampler.py); the
+    sample   one token per sequence from its logits (engine/sampler.py),
+             after structured outputs' token bitmask (under a lax.cond:
+             steps without a constrained row skip it, and no variant is
+             added); the
              "full" variant also applies repetition/presence/frequency
              penalties (which need [seqs, vocab] inputs) and returns the top
              logprobs, for batches where a request asks for either: the top-20
@@ -99,10 +102,14 @@ def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, *, config:
 
 
 @functools.partial(jax.jit, static_argnames=("full", "mesh"))
-def sample_step(logits, sampling_meta, penalty_inputs, *, full: bool, mesh=None):
+def sample_step(logits, sampling_meta, penalty_inputs, bitmask, constrained, *, full: bool, mesh=None):
+    """bitmask int32 [S, ceil(V / 32)], constrained bool [S]: structured
+    outputs' allowed tokens, applied under a lax.cond, so a step with no
+    constrained row (all False, a resident zero mask) skips it."""
     prompt_mask, output_counts = penalty_inputs if full else (None, None)
     num_logprobs = MAX_LOGPROBS if full else 0
-    return _replicated(sample(logits, sampling_meta, prompt_mask, output_counts, num_logprobs=num_logprobs), mesh)
+    return _replicated(sample(logits, sampling_meta, prompt_mask, output_counts, num_logprobs=num_logprobs,
+                              bitmask=bitmask, constrained=constrained), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",))

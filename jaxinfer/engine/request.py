@@ -16,6 +16,8 @@ class RequestState:
     prompt_token_ids: list[int]
     sequences: list[Sequence]
     metrics: RequestMetrics
+    # Why the request failed after it was accepted (a grammar that did not compile), or None.
+    error: str | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -31,4 +33,5 @@ class RequestState:
             finished=self.is_finished,
             num_cached_tokens=cached,
             metrics=self.metrics,
+            error=self.error,
         )

@@ -28,6 +28,7 @@ from jaxinfer.engine.programs import forward_step, sample_step, verify_step
 from jaxinfer.engine.sampler import SamplingMetadata, make_penalty_inputs
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import Sequence
+from jaxinfer.structured.matcher import bitmask_width, fill_masks
 from jaxinfer.utils import bucket_size, powers_of_two
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,12 @@ class ModelRunner:
         self.warmed_up = False
         self.num_compilations = 0
         self.device_time = 0.0  # seconds from dispatching a step to its outputs on the host
+        # Structured outputs: host seconds filling token bitmasks, and the rows filled.
+        self.mask_time = 0.0
+        self.num_masks = 0
+        # Per seqs bucket, an all-zeros bitmask and all-False flags kept on the
+        # device: what a step with no constrained row passes (nothing to send).
+        self._no_masks: dict[int, tuple] = {}
 
     # -- buckets and warm-up -------------------------------------------------
     def buckets(self) -> list[tuple[int, int, str]]:
@@ -128,7 +135,7 @@ class ModelRunner:
                 full = program[2]
                 penalties = make_penalty_inputs([], [], vocab, num_seqs) if full else None
                 logits = self._put(np.zeros((num_seqs, vocab), np.float32))
-                jax.block_until_ready(self._sample(logits, sampling, penalties, full))
+                jax.block_until_ready(self._sample(logits, sampling, penalties, full, self._no_mask(num_seqs)))
             else:
                 k = program[2]
                 logits = self._put(np.zeros((num_seqs * (1 + k), vocab), np.float32))
@@ -171,10 +178,32 @@ class ModelRunner:
         )
         return logits, features
 
-    def _sample(self, logits, sampling, penalties, full: bool):
+    def _no_mask(self, num_seqs: int) -> tuple:
+        if num_seqs not in self._no_masks:
+            masks = (np.zeros((num_seqs, bitmask_width(self.config.vocab_size)), np.int32), np.zeros(num_seqs, bool))
+            self._no_masks[num_seqs] = jax.device_put(self._put(masks))
+        return self._no_masks[num_seqs]
+
+    def _token_masks(self, batch: ScheduledBatch, num_seqs: int) -> tuple:
+        """(bitmask, constrained) for the sample program: filled for the
+        structured sequences that emit a token this step, else the resident zeros."""
+        states = [(i, s.structured) for i, s in enumerate(batch.sequences) if s.structured is not None and
+                  batch.num_computed_tokens[i] + batch.num_new_tokens[i] - batch.num_drafts[i] == s.num_tokens]
+        if not states:
+            return self._no_mask(num_seqs)
+        start = time.perf_counter()
+        bitmask = np.zeros((num_seqs, bitmask_width(self.config.vocab_size)), np.int32)
+        constrained = np.zeros(num_seqs, bool)
+        fill_masks(states, bitmask)
+        constrained[[i for i, _ in states]] = True
+        self.mask_time += time.perf_counter() - start
+        self.num_masks += len(states)
+        return self._put((bitmask, constrained))
+
+    def _sample(self, logits, sampling, penalties, full: bool, masks: tuple):
         self._count(("sample", logits.shape[0], full))
         sampling, penalties = self._put((sampling, penalties))
-        return sample_step(logits, sampling, penalties, full=full, mesh=self.mesh)
+        return sample_step(logits, sampling, penalties, *masks, full=full, mesh=self.mesh)
 
     def _verify(self, logits, drafts, num_drafts, sampling):
         self._count(("verify", drafts.shape[0], drafts.shape[1]))
@@ -199,6 +228,8 @@ class ModelRunner:
 
         start = time.perf_counter()
         logits, features = self.forward(inputs)
+        # Dispatch is asynchronous: the host fills the masks while the device runs the forward.
+        masks = self._token_masks(batch, num_seqs)
         if verify:
             k = self.num_speculative_tokens
             drafts, num_drafts = np.zeros((num_seqs, k), np.int32), np.zeros(num_seqs, np.int32)
@@ -209,12 +240,12 @@ class ModelRunner:
             token_ids, num_emitted = np.array(token_ids), np.array(num_emitted)
             plain = None
             if not num_drafts[: len(seqs)].all():
-                plain = jax.device_get(self._sample(first_logits, sampling, penalties, full))
+                plain = jax.device_get(self._sample(first_logits, sampling, penalties, full, masks))
                 drafted = num_drafts > 0
                 token_ids[:, 0] = np.where(drafted, token_ids[:, 0], plain.token_ids)
                 num_emitted = np.where(drafted, num_emitted, 1)
         else:
-            plain = jax.device_get(self._sample(logits, sampling, penalties, full))
+            plain = jax.device_get(self._sample(logits, sampling, penalties, full, masks))
             token_ids = plain.token_ids[:, None]
             # A sequence emits once its step reaches its last token (a prompt chunk that does not, emits nothing).
             num_emitted = np.zeros(num_seqs, np.int32)

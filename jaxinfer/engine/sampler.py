@@ -248,18 +248,40 @@ def _logprobs(logits: jax.Array, tokens: jax.Array, k: int):
     return values, ids, rank
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, constrained: jax.Array) -> jax.Array:
+    """Structured outputs: in the constrained rows, tokens whose bit is clear
+    in the packed int32 bitmask [B, ceil(V / 32)] become -inf (bit j of word
+    w is token 32 w + j, llguidance's layout); other rows are unchanged. The
+    whole thing is skipped (lax.cond) when no row is constrained."""
+    vocab = logits.shape[-1]
+
+    def masked(x):
+        shifts = jnp.arange(32, dtype=jnp.int32)
+        bits = (bitmask[:, :, None] >> shifts) & 1  # arithmetic shift, then & 1: the sign bit reads right
+        allowed = bits.reshape(bits.shape[0], -1)[:, :vocab] != 0
+        return jnp.where(allowed | ~constrained[:, None], x, _NEG_INF)
+
+    return lax.cond(jnp.any(constrained), masked, lambda x: x, logits)
+
+
 def sample(
     logits: jax.Array,
     meta: SamplingMetadata,
     prompt_mask: jax.Array | None = None,
     output_counts: jax.Array | None = None,
     num_logprobs: int = 0,
+    bitmask: jax.Array | None = None,
+    constrained: jax.Array | None = None,
 ) -> SamplerOutput:
     """One token per row. num_logprobs (static) > 0 also returns the sampled
     token's logprob and rank and the top num_logprobs, from log_softmax of the
     penalised logits; 0 leaves those fields None. Penalties are applied when
-    either mask is given (a missing one counts as empty)."""
+    either mask is given (a missing one counts as empty). A token bitmask
+    (structured outputs) is applied first, before penalties, temperature and
+    the filters, so logprobs are those of the masked distribution."""
     logits = logits.astype(jnp.float32)
+    if bitmask is not None:
+        logits = apply_token_bitmask(logits, bitmask, constrained)
     if prompt_mask is not None or output_counts is not None:
         if prompt_mask is None:
             prompt_mask = jnp.zeros(logits.shape, jnp.bool_)

@@ -50,6 +50,9 @@ class Sequence:
     leader: "Sequence | None" = None
     # Proposed continuation to verify in the next step (engine/spec/proposer.py).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Structured outputs: where the output stands in its grammar
+    # (structured/matcher.py), or None. Kept across preemption.
+    structured: object = None
 
     @property
     def output_token_ids(self) -> list[int]:

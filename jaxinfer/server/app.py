@@ -265,6 +265,7 @@ def build_app(llm=None, *, model_name: str, load=None, api_key: str | None = Non
             params = body.sampling_params(_max_tokens(state, body.max_tokens, len(token_ids), name),
                                           body.logprobs)
             _validate(state, name, token_ids, params)
+            await _compile_grammar(state, name, params)
             requests.append(EngineRequest(f"{request_id}-{i}", token_ids, params, prompt))
             prompt_texts.append(prompt or "")
         builder = ResponseBuilder(request_id, state.model_name, chat=False)
@@ -280,6 +281,7 @@ def build_app(llm=None, *, model_name: str, load=None, api_key: str | None = Non
         params = body.sampling_params(_max_tokens(state, body.requested_max_tokens, len(token_ids), "messages"),
                                       body.num_logprobs)
         _validate(state, "messages", token_ids, params)
+        await _compile_grammar(state, "messages", params)
         request_id = engine.new_id("chatcmpl")
         builder = ResponseBuilder(request_id, state.model_name, chat=True)
         requests = [EngineRequest(f"{request_id}-0", token_ids, params, text)]
@@ -328,6 +330,19 @@ def _validate(state: ServerState, name: str, token_ids, params) -> None:
         state.llm.engine.validate(name, token_ids, params)  # read-only: config and pool size
     except RequestError as e:
         raise APIError(400, str(e), name) from None
+
+
+async def _compile_grammar(state: ServerState, name: str, params) -> None:
+    """Structured outputs: compile the grammar (on the engine's compile worker;
+    this handler waits in a thread) so that a spec that does not compile is a
+    400, streamed or not; the engine then finds it in its cache."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            None, state.llm.engine.check_structured_outputs, name, params)
+    except RequestError as e:
+        raise APIError(400, str(e), "response_format") from None
 
 
 async def _respond(engine: EngineThread, request: Request, body, requests, builder, prompt_texts):

@@ -233,6 +233,12 @@ class EngineThread:
         tracked = self._tracked.get(output.request_id)
         if tracked is None:
             return
+        if output.error:  # failed after it was accepted (a grammar that did not compile): this request only
+            del self._tracked[output.request_id]
+            if self.metrics is not None:
+                self.metrics.on_request_finished("abort", now - tracked.arrival)
+            self._queue(outgoing, tracked, RequestError(output.error))
+            return
         completions = []
         new_tokens = 0
         for c in output.outputs:

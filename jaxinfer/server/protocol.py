@@ -17,7 +17,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxinfer.sampling_params import MAX_LOGPROBS, InvalidSamplingParameter, SamplingParams
+from jaxinfer.sampling_params import (
+    MAX_LOGPROBS,
+    InvalidSamplingParameter,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from jaxinfer.server.errors import APIError
 
 # The most completions one request may ask for: each is a sequence in the
@@ -31,6 +36,31 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None:
+            raise APIError(400, "response_format json_schema needs a json_schema field", "response_format")
+        # OpenAI: a json_schema without a schema allows any JSON value; "any object" is our reading.
+        return StructuredOutputsParams(json=self.json_schema.schema_ or {"type": "object"})
 
 
 class _SamplingRequest(_Strict):
@@ -56,6 +86,18 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0  # only 0: the engine has no minimum-length rule (EOS is never masked)
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs
+    # ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}); not both.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        from_format = self.response_format.structured_outputs() if self.response_format is not None else None
+        if self.structured_outputs is None:
+            return from_format
+        if from_format is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+        return StructuredOutputsParams.from_dict(self.structured_outputs)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         if self.logit_bias:
@@ -67,14 +109,15 @@ class _SamplingRequest(_Strict):
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                  if getattr(self, k) is not None}
         try:
+            structured = self.structured_spec()
             return SamplingParams(
-                n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop,
+                n=self.n, max_tokens=max_tokens, seed=self.seed, stop=self.stop, structured_outputs=structured,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, **given,
             )
         except InvalidSamplingParameter as e:
-            raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
+            raise APIError(400, str(e), str(e).split(" ", 1)[0].rstrip(":")) from None
 
     @property
     def include_usage(self) -> bool:
@@ -134,10 +177,6 @@ class ChatMessage(_Strict):
         return message
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]  # json_object / json_schema need structured output, which the engine lacks
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -146,7 +185,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None  # only empty: no tool calling
     tool_choice: Literal["none"] | None = None
     add_generation_prompt: bool = True  # vLLM's

@@ -10,9 +10,9 @@ tokens or drops them (engine/scheduler.py says when).
 
 A sequence is offered up to K drafts, fewer near max_tokens or
 max_model_len, and none when it has repetition/presence/frequency penalties
-or logprobs: the verification program implements neither for draft rows, so
-those requests decode one token per step, in the same batch as the
-speculating ones.
+or logprobs (the verification program implements neither for draft rows) or
+structured outputs (drafts are not checked against the grammar), so those
+requests decode one token per step, in the same batch as the speculating ones.
 
 A proposer implements:
 
@@ -46,7 +46,7 @@ class Proposer:
         not speculate, else K capped so that accepted drafts plus the target's
         own token never pass max_tokens or max_model_len."""
         params = seq.params
-        if params.logprobs is not None or params.uses_penalties:
+        if params.logprobs is not None or params.uses_penalties or params.structured_outputs is not None:
             return 0
         remaining = params.max_tokens - len(seq.output_token_ids)
         return max(0, min(self.k, remaining - 1, self.max_model_len - seq.num_tokens - 1))
