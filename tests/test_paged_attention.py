@@ -3,12 +3,14 @@ numpy computation on dense per-sequence K/V, with unused pool blocks poisoned
 with NaN so that reading a wrong block fails the test."""
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.models import paged_attention
 from jaxinfer.models.llama import compute_logits, forward
 from jaxinfer.models.paged_attention import (
     PagedAttentionMetadata,
@@ -86,10 +88,12 @@ def test_paged_attention_matches_float64(seed):
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-4)
     # The engine's form: the step's own rows' K/V handed in, tiles only for the keys cached before them.
     new_k, new_v = (np.stack([d[s][p] for s, p in zip(meta.token_seq, meta.positions)]) for d in (dense_k, dense_v))
-    out = paged_attention_reference(q, k_pool, v_pool, meta, sliding_window, tile_blocks=tile_blocks,
-                                    new_k=new_k, new_v=new_v)
-    assert np.isfinite(np.asarray(out)).all()
-    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-4)
+    for dense_limit in (paged_attention.MAX_DENSE_NEW_TOKENS, 4):  # 4: a step too big for the T x T form
+        with mock.patch.object(paged_attention, "MAX_DENSE_NEW_TOKENS", dense_limit):
+            out = paged_attention_reference(q, k_pool, v_pool, meta, sliding_window, tile_blocks=tile_blocks,
+                                            new_k=new_k, new_v=new_v)
+        assert np.isfinite(np.asarray(out)).all()
+        np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=1e-4)
 
 
 def test_padding_tokens_give_zeros_without_nan():

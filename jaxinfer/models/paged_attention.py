@@ -54,6 +54,14 @@ class PagedAttentionMetadata:
     query_start: jax.Array
 
 
+# The step's new rows attend to each other as one [T, T] product (masked to
+# their own sequence), which grows with the square of the flattened step: up to
+# this many rows it is cheaper than gathering a tile per row (a 512-token
+# prefill's [512, 512] scores are ~9 MB a layer); past it, every key comes from
+# the pool as before.
+MAX_DENSE_NEW_TOKENS = 1024
+
+
 def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, sliding_window=None, tile_blocks=8,
                               layer_index=None, k_scales=None, v_scales=None, new_k=None, new_v=None):
     """q [T, H, D]; k_pool, v_pool [num_blocks, block_size, KV, D] -> [T, H, D].
@@ -67,12 +75,12 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
     Tokens whose sequence has context_len 0 (padding) get zeros.
 
     new_k, new_v [T, KV, D]: the step's own K/V as the pool holds them
-    (stored_kv), given when they are already in the pool. Keys at or after
-    a sequence's first new position then come from them, all T x T at once
-    (masked to the same sequence and causally), and tiles are gathered only
-    for the keys cached before the step: a fresh prompt gathers nothing,
-    where gathering a tile per query token cost a 512-token prefill
-    O(tokens x context) copies.
+    (stored_kv), given when they are already in the pool. For steps of up to
+    MAX_DENSE_NEW_TOKENS rows, keys at or after a sequence's first new
+    position then come from them, all T x T at once (masked to the same
+    sequence and causally), and tiles are gathered only for the keys cached
+    before the step: a fresh prompt gathers nothing, where gathering a tile
+    per query token cost a 512-token prefill O(tokens x context) copies.
     """
     quantized = k_scales is not None
     if quantized != (v_scales is not None):
@@ -94,7 +102,7 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
     positions = meta.positions
     valid_query = meta.context_lens[meta.token_seq] > 0
     stats_shape = (num_tokens, num_kv_heads, group)
-    if new_k is None:
+    if new_k is None or num_tokens > MAX_DENSE_NEW_TOKENS:
         cached_end = positions + 1  # every key, the token's own included, comes from the pool
         init = None
     else:
