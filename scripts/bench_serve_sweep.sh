@@ -11,12 +11,20 @@ read -r -a J <<< "${JAXINFER:-jaxinfer}"
 OUT=${1:-/tmp/bench_serve}; N=${2:-32}; IN=${3:-128}; OUTLEN=${4:-32}; PORT=${PORT:-8021}
 mkdir -p "$OUT"
 VOCAB=49152  # SmolLM2's, so that bench serve sends the prompts bench throughput runs
-"${J[@]}" serve --port "$PORT" --log-level warning > "$OUT/server.log" 2>&1 &
-SERVER=$!
-trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
-for _ in $(seq 1 150); do
-  [ "$(curl -s -o /dev/null -w '%{http_code}' "localhost:$PORT/health")" = 200 ] && break; sleep 2
-done
+
+start_server() {  # a fresh server logging to $OUT/$1, returned once /health answers 200
+  "${J[@]}" serve --port "$PORT" --log-level warning > "$OUT/$1" 2>&1 &
+  SERVER=$!
+  trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+  for _ in $(seq 1 150); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' "localhost:$PORT/health")" = 200 ] && break; sleep 2
+  done
+}
+
+stop_server() {
+  kill -INT $SERVER; wait $SERVER || true; trap - EXIT
+}
+start_server server.log
 common=(--port "$PORT" --num-prompts "$N" --input-len "$IN" --output-len "$OUTLEN" --vocab-size "$VOCAB")
 "${J[@]}" bench serve "${common[@]}" --request-rate inf --json "$OUT/rate_inf_a.json"
 # A new seed per run: the same prompts again would be served from the prefix cache.
@@ -27,16 +35,11 @@ done
 for c in 1 8 32; do
   "${J[@]}" bench serve "${common[@]}" --seed $((seed++)) --max-concurrency "$c" --json "$OUT/concurrency_$c.json"
 done
-kill -INT $SERVER; wait $SERVER || true; trap - EXIT
+stop_server
 "${J[@]}" bench throughput --num-prompts "$N" --input-len "$IN" --output-len "$OUTLEN" --json "$OUT/offline.json"
-"${J[@]}" serve --port "$PORT" --log-level warning > "$OUT/server2.log" 2>&1 &
-SERVER=$!
-trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
-for _ in $(seq 1 150); do
-  [ "$(curl -s -o /dev/null -w '%{http_code}' "localhost:$PORT/health")" = 200 ] && break; sleep 2
-done
+start_server server2.log
 "${J[@]}" bench serve "${common[@]}" --request-rate inf --json "$OUT/rate_inf_b.json"
-kill -INT $SERVER; wait $SERVER || true; trap - EXIT
+stop_server
 
 # Warm comparison: the first batch a fresh process runs is slower than later ones, so
 # both sides also run one untimed batch (seed 100) before the measured one (seed 0).
@@ -51,11 +54,6 @@ result = run_throughput(llm, synthetic_requests(vocab, n, inp, out, seed=0))
 print(f"offline warm: {result['output_tokens_per_s']:.1f} output tok/s")
 json.dump(result, open(path, "w"), indent=2)
 PY
-"${J[@]}" serve --port "$PORT" --log-level warning > "$OUT/server3.log" 2>&1 &
-SERVER=$!
-trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
-for _ in $(seq 1 150); do
-  [ "$(curl -s -o /dev/null -w '%{http_code}' "localhost:$PORT/health")" = 200 ] && break; sleep 2
-done
+start_server server3.log
 "${J[@]}" bench serve "${common[@]}" --seed 100 --request-rate inf > /dev/null
 "${J[@]}" bench serve "${common[@]}" --request-rate inf --json "$OUT/rate_inf_warm.json"
