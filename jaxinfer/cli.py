@@ -40,6 +40,26 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                           "(or JAX_PROCESS_ID)")
 
 
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Batch limits and speculative decoding, shared by bench and serve."""
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--speculative-method", choices=["ngram", "draft_model", "eagle"], default=None,
+                        help="speculative decoding (draft_model: the target itself as its draft; "
+                             "eagle: the draft head shipped for the default model)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+
+
+def _engine_options(args) -> dict:
+    """LLM(...) keywords of _add_model_args' and _add_engine_args' engine options."""
+    options = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend)
+    if args.speculative_method:
+        options["speculative"] = {"method": args.speculative_method,
+                                  "num_speculative_tokens": args.num_speculative_tokens}
+    return options
+
+
 def _parallel_options(args) -> dict:
     return dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
 
@@ -92,14 +112,10 @@ def _bench(args) -> int:
     from jaxinfer import LLM
     from jaxinfer.benchmark import print_and_save, run_latency, run_throughput, synthetic_requests
 
-    options = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend)
+    options = _engine_options(args)
     if args.kind == "throughput":
         options["scheduling_policy"] = args.scheduling_policy
         options["enable_prefix_caching"] = not args.no_prefix_caching
-    if args.speculative_method:
-        options["speculative"] = {"method": args.speculative_method,
-                                  "num_speculative_tokens": args.num_speculative_tokens}
     llm = LLM(args.model, dtype=args.dtype, **options, **_quantization_options(args), **_parallel_options(args))
     if args.kind == "throughput":
         requests = synthetic_requests(llm.model.config.vocab_size, args.num_prompts, args.input_len, args.output_len,
@@ -116,14 +132,9 @@ def _serve(args) -> int:
     from jaxinfer.loading.checkpoint import DEFAULT_MODEL_FILE
     from jaxinfer.server.launch import serve
 
-    options = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-                   enable_prefix_caching=not args.no_prefix_caching)
+    options = dict(_engine_options(args), enable_prefix_caching=not args.no_prefix_caching)
     if args.num_kv_blocks is not None:
         options["num_kv_blocks"] = args.num_kv_blocks
-    if args.speculative_method:
-        options["speculative"] = {"method": args.speculative_method,
-                                  "num_speculative_tokens": args.num_speculative_tokens}
 
     def load():
         from jaxinfer import LLM
@@ -198,12 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_model_args(p)
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=64)
-        p.add_argument("--max-num-seqs", type=int, default=None)
-        p.add_argument("--max-num-batched-tokens", type=int, default=None)
-        p.add_argument("--speculative-method", choices=["ngram", "draft_model", "eagle"], default=None,
-                       help="speculative decoding (draft_model: the target itself as its draft; "
-                            "eagle: the draft head shipped for the default model)")
-        p.add_argument("--num-speculative-tokens", type=int, default=4)
+        _add_engine_args(p)
         p.add_argument("--json", default=None, metavar="PATH")
     throughput.add_argument("--num-prompts", type=int, default=64)
     throughput.add_argument("--range-ratio", type=float, default=0.0)
@@ -240,12 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (not on /health, /metrics)")
     srv.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
     srv.add_argument("--max-queue", type=int, default=1024, help="most requests in flight; more are answered 429")
-    srv.add_argument("--max-num-seqs", type=int, default=None)
-    srv.add_argument("--max-num-batched-tokens", type=int, default=None)
+    _add_engine_args(srv)
     srv.add_argument("--num-kv-blocks", type=int, default=None)
     srv.add_argument("--no-prefix-caching", action="store_true")
-    srv.add_argument("--speculative-method", choices=["ngram", "draft_model", "eagle"], default=None)
-    srv.add_argument("--num-speculative-tokens", type=int, default=4)
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
