@@ -181,7 +181,9 @@ class ModelRunner:
     def _no_mask(self, num_seqs: int) -> tuple:
         if num_seqs not in self._no_masks:
             masks = (np.zeros((num_seqs, bitmask_width(self.config.vocab_size)), np.int32), np.zeros(num_seqs, bool))
-            self._no_masks[num_seqs] = jax.device_put(self._put(masks))
+            # Kept on the device(s): on a mesh _put already places them (replicated,
+            # possibly across hosts, which a plain device_put cannot take).
+            self._no_masks[num_seqs] = jax.device_put(masks) if self.mesh is None else self._put(masks)
         return self._no_masks[num_seqs]
 
     def _token_masks(self, batch: ScheduledBatch, num_seqs: int) -> tuple:
