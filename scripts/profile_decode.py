@@ -39,7 +39,7 @@ import numpy as np
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--quantization", default="auto", help="as LLM(quantization=...); none: float weights")
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens before the timed decode steps")
     parser.add_argument("--iters", type=int, default=20)
@@ -56,7 +56,7 @@ def main() -> None:
     from jaxinfer.quant.linear import linear
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    llm = LLM(args.model, quantization=args.quantization, max_num_seqs=max(16, max(batch_sizes)),
+    llm = LLM(args.model, quantization=None if args.quantization == "none" else args.quantization, max_num_seqs=max(16, max(batch_sizes)),
               max_num_batched_tokens=max(256, max(batch_sizes)), progress=False)
     engine, runner = llm.engine, llm.engine.runner
     config, params = llm.model.config, llm.model.params
@@ -66,7 +66,7 @@ def main() -> None:
     big = jnp.ones(128 * 2**20, jnp.float32)
     bandwidth = big.nbytes / (time_ms(jax.jit(jnp.sum), big, iters=5) * 1e-3) / 1e9
     del big
-    results = {"model": llm.model.source, "quantization": args.quantization, "weight_bytes": weight_bytes,
+    results = {"model": llm.model.source, "quantization": llm.model.quantization, "weight_bytes": weight_bytes,
                "read_bandwidth_gbs": bandwidth, "context": args.context, "batches": []}
     print(f"{llm.model.source}: {weight_bytes / 1e6:.0f} MB of weights; read bandwidth {bandwidth:.1f} GB/s")
 
@@ -113,7 +113,7 @@ def main() -> None:
         runner.kv_cache = cache[0]
         sampling = SamplingMetadata.from_params([s.params for s in seqs], [0] * len(seqs), [1] * len(seqs), num_seqs)
         logits = jnp.zeros((num_seqs, config.vocab_size), jnp.float32)
-        sample_ms = time_ms(lambda: sample_step(logits, sampling, None, full=False), iters=args.iters)
+        sample_ms = time_ms(lambda: sample_step(logits, sampling, None, *runner._no_mask(num_seqs), full=False), iters=args.iters)
 
         x = jnp.ones((num_seqs, config.hidden_size), llm.model.dtype)
 
