@@ -196,12 +196,19 @@ def gather_tile(k_pool, v_pool, k_scales, v_scales, layer_index, blocks):
     as fp8 first, models/kv_cache.py). Only a tile is ever held in float32."""
     num_kv_heads, head_dim = k_pool.shape[3:]
     shape = (blocks.shape[0], -1, num_kv_heads, head_dim)
-    k = as_fp8(k_pool[layer_index, blocks]).reshape(shape).astype(jnp.float32)
-    v = as_fp8(v_pool[layer_index, blocks]).reshape(shape).astype(jnp.float32)
-    if k_scales is not None:
-        k = k * k_scales[layer_index, blocks].reshape(*k.shape[:3], 1)
-        v = v * v_scales[layer_index, blocks].reshape(*v.shape[:3], 1)
-    return k, v
+
+    def read(pool, scales):
+        return _as_float32(pool[layer_index, blocks], None if scales is None else scales[layer_index, blocks])
+
+    return read(k_pool, k_scales).reshape(shape), read(v_pool, v_scales).reshape(shape)
+
+
+def _as_float32(values, scales):
+    """Stored K or V [..., D] as float32: fp8 bits viewed as fp8, times the
+    per-token scales [...] of a quantized pool. The one rule for reading the
+    pool back, shared by gather_tile and stored_kv."""
+    x = as_fp8(values).astype(jnp.float32)
+    return x if scales is None else x * scales[..., None]
 
 
 def _online_softmax(visit_tile, num_tiles, stats_shape, head_dim, init=None):
@@ -331,9 +338,8 @@ def stored_kv(x, storage_dtype, quantized: bool):
     holds for it (as gather_tile would read it back): rounded to the pool's
     dtype, or quantized with its per-token scale and dequantized."""
     if not quantized:
-        return x.astype(storage_dtype).astype(jnp.float32)
-    values, scales = quantize_kv(x, storage_dtype)
-    return as_fp8(values).astype(jnp.float32) * scales[..., None]
+        return _as_float32(x.astype(storage_dtype), None)
+    return _as_float32(*quantize_kv(x, storage_dtype))
 
 
 def _write_new_kv(kv_cache, layer_index, k, v, meta: PagedAttentionMetadata):

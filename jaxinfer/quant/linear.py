@@ -47,6 +47,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.quant.schemes import absmax_int8
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize, unpack_int4
 
 # Rows up to which the fused kernel is used on GPU (decode batches). A matmul
@@ -92,10 +93,7 @@ def _w8a8_linear(x, w: QuantizedTensor) -> jax.Array:
     one_row = x.ndim == 2 and x.shape[0] == 1
     if one_row:
         x = jnp.concatenate([x, x])
-    x = x.astype(jnp.float32)
-    x_scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0
-    x_scale = jnp.where(x_scale > 0, x_scale, 1.0)  # an all-zero row: any scale is exact
-    xq = jnp.round(x / x_scale).astype(jnp.int8)
+    xq, x_scale = absmax_int8(x, axis=-1)
     acc = jnp.matmul(xq, w.data, preferred_element_type=jnp.int32)
     y = acc.astype(jnp.float32) * x_scale * w.scales[..., 0, :][..., None, :]
     return y[:1] if one_row else y

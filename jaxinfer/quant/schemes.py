@@ -31,13 +31,20 @@ def _grouped(w, group_size: int):
     return w.astype(jnp.float32).reshape(*w.shape[:-2], in_features // group_size, group_size, w.shape[-1])
 
 
+def absmax_int8(x, axis: int):
+    """Symmetric int8 along `axis`: scale = absmax / 127, q = round(x / scale)
+    in [-127, 127] -> (q int8, scale float32 with `axis` kept as 1). The rule
+    for weights (quantize_int8) and for w8a8's activations (quant/linear.py)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)  # all zero: any scale is exact
+    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+
+
 def quantize_int8(w, group_size: int | None = None) -> QuantizedTensor:
     group_size = group_size or w.shape[-2]
-    g = _grouped(w, group_size)
-    scales = jnp.max(jnp.abs(g), axis=-2) / 127.0
-    scales = jnp.where(scales > 0, scales, 1.0)  # an all-zero group: any scale is exact
-    q = jnp.clip(jnp.round(g / scales[..., None, :]), -127, 127).astype(jnp.int8)
-    return QuantizedTensor(q.reshape(w.shape), scales, None, "int8", group_size)
+    q, scales = absmax_int8(_grouped(w, group_size), axis=-2)
+    return QuantizedTensor(q.reshape(w.shape), scales[..., 0, :], None, "int8", group_size)
 
 
 def quantize_int4(w, group_size: int = 128) -> QuantizedTensor:
