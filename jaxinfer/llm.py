@@ -32,7 +32,9 @@ class LLM:
     attention_backend ("xla", "pallas", "pallas_interpret"; default pallas on GPU, xla elsewhere),
     kv_cache_dtype ("auto": the model's dtype; "int8" or "fp8": quantized K/V with a float32 scale
     per token and KV head, about 4x (float32 models) or 2x (bfloat16) the blocks for the same memory),
-    speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see engine/spec/config.py).
+    speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see engine/spec/config.py),
+    background_compile (True: serve once the largest shape buckets are compiled and compile the
+    others on a thread; see wait_compiled).
 
     tensor_parallel_size N: shard the model over N devices (Megatron-style, parallel/sharding.py);
     data_parallel_size M: M engine replicas on disjoint groups of N devices, requests spread over
@@ -161,3 +163,9 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def wait_compiled(self) -> None:
+        """Block until the engine's background warm-up has compiled every
+        program (the engine option background_compile): until then a step may
+        run in a larger bucket than its own, and compilation shares the CPU."""
+        self.engine.wait_compiled()
