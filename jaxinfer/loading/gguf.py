@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp's format) via the `gguf` package.
+"""GGUF checkpoints (llama.cpp's format), read with loading/gguf_file.py.
 
 Config comes from the file's metadata, tensors are renamed to HF names and
 dequantized to float one at a time on request, and llama.cpp's Q/K row
@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
+from jaxinfer.loading.gguf_file import GGUFFile
 from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
 
 # GGUF `general.architecture` -> ours. Mistral GGUFs say "llama".
@@ -116,12 +117,11 @@ def blocks_to_quantized(raw: np.ndarray, qtype, out_dim: int, in_dim: int, unper
     return QuantizedTensor(data, scales, offsets, DIRECT_TYPES[qtype], block_size)
 
 
-def read_field(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def read_field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
-def config_from_gguf(reader: gguf.GGUFReader, path) -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, path) -> ModelConfig:
     arch = read_field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedModelError(
@@ -148,7 +148,7 @@ def config_from_gguf(reader: gguf.GGUFReader, path) -> ModelConfig:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = read_field(reader, f"{arch}.vocab_size") or (
-        len(tokens.data) if tokens is not None else int(embed.shape[-1]) if embed is not None else None
+        len(tokens) if tokens is not None else int(embed.shape[-1]) if embed is not None else None
     )
     sliding_window = read_field(reader, f"{arch}.attention.sliding_window")
     return ModelConfig(
@@ -174,7 +174,7 @@ def config_from_gguf(reader: gguf.GGUFReader, path) -> ModelConfig:
 class GGUFTensors:
     """TensorSource over a GGUF file: HF names, dequantized float32, HF row order."""
 
-    def __init__(self, reader: gguf.GGUFReader, config: ModelConfig, path):
+    def __init__(self, reader: GGUFFile, config: ModelConfig, path):
         self.description = str(path)
         self._config = config
         self._unpermute = read_field(reader, "general.architecture") == "llama"
@@ -223,8 +223,8 @@ def open_gguf(path: str | Path):
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} not found")
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad bytes
+        reader = GGUFFile(path)
+    except Exception as e:  # ValueError, struct.error or UnicodeDecodeError on bad bytes
         raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
     config = config_from_gguf(reader, path)
     return config, GGUFTensors(reader, config, path), reader
