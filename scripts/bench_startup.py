@@ -6,11 +6,12 @@ empty compilation cache directory) and "warm" (the same directory again).
 Configurations are interleaved round by round, so drift of the VM hits all
 of them alike; medians are printed and every run goes to JSON.
 
-Several source trees can be compared in one run (`--tree before=/path/to/old
---tree after=.`, e.g. a `git worktree` of an older commit): each child imports
-jaxinfer from its tree.
+Each `--config LABEL=TREE[;LLM KEYWORDS]` is a source tree to import
+jaxinfer from (e.g. a `git worktree` of an older commit, for before/after in
+one run) and optional extra LLM() keywords:
 
-    python scripts/bench_startup.py --rounds 3 --json startup.json
+    python scripts/bench_startup.py --config "before=/tmp/old" --config "after=." \
+        --config "after, all compiled first=.;background_compile=False" --rounds 3 --json startup.json
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ print("RESULT", imported - start, ready - start, first - start, flush=True)
 """
 
 
-def run_child(tree: str, cache_dir: str, options: str) -> dict:
+def run_child(tree: str, cache_dir: str, keywords: str) -> dict:
     env = dict(os.environ, JAXINFER_CACHE_DIR=cache_dir, PYTHONPATH=os.path.abspath(tree))
     env.pop("JAXINFER_DISABLE_COMPILATION_CACHE", None)
-    out = subprocess.run([sys.executable, "-c", CHILD.format(options=options)], env=env, cwd=tree,
+    out = subprocess.run([sys.executable, "-c", CHILD.format(options=keywords)], env=env, cwd=tree,
                          capture_output=True, text=True, check=True)
     line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT"))
     imported, ready, first = (float(x) for x in line.split()[1:])
@@ -48,34 +49,33 @@ def run_child(tree: str, cache_dir: str, options: str) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", action="append", default=None,
-                        help="LABEL=PATH of a source tree to import jaxinfer from (repeatable; default: this one)")
-    parser.add_argument("--options", action="append", default=None,
-                        help="LABEL=', key=value' extra LLM() keywords (repeatable), e.g. "
-                             "\"all-first=, background_compile=False\"")
+    parser.add_argument("--config", action="append", default=None,
+                        help="LABEL=TREE[;KEYWORDS] (repeatable; default: this tree, default options)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    trees = dict(t.split("=", 1) for t in (args.tree or ["this=."]))
-    variants = dict(o.split("=", 1) for o in (args.options or ["default="]))
-    configs = [(t, v) for t in trees for v in variants]
+    configs = {}
+    for config in args.config or ["this=."]:
+        label, rest = config.split("=", 1)
+        tree, _, keywords = rest.partition(";")
+        configs[label] = (tree, f", {keywords}" if keywords else "")
     runs = []
     for round_ in range(args.rounds):
-        for tree, variant in configs:
+        for label, (tree, keywords) in configs.items():
             with tempfile.TemporaryDirectory() as cache:
                 for state in ("cold", "warm"):
-                    result = run_child(trees[tree], cache, variants[variant])
-                    runs.append({"tree": tree, "options": variant, "cache": state, "round": round_, **result})
-                    print(f"round {round_} {tree:>8} {variant:>10} {state}: first token {result['first_token_s']:.2f} s",
-                          flush=True)
-    print(f"\n{'tree':>8} {'options':>10} {'cache':>5} {'import s':>9} {'LLM() s':>8} {'first token s':>14}")
+                    result = run_child(tree, cache, keywords)
+                    runs.append({"config": label, "cache": state, "round": round_, **result})
+                    print(f"round {round_} {label} {state}: first token {result['first_token_s']:.2f} s", flush=True)
+    width = max(len(label) for label in configs)
+    print(f"\n{'config':>{width}} {'cache':>5} {'import s':>9} {'LLM() s':>8} {'first token s':>14}")
     summary = []
-    for tree, variant in configs:
+    for label in configs:
         for state in ("cold", "warm"):
-            mine = [r for r in runs if r["tree"] == tree and r["options"] == variant and r["cache"] == state]
+            mine = [r for r in runs if r["config"] == label and r["cache"] == state]
             med = {k: statistics.median(r[k] for r in mine) for k in ("import_s", "llm_ready_s", "first_token_s")}
-            summary.append({"tree": tree, "options": variant, "cache": state, **med})
-            print(f"{tree:>8} {variant:>10} {state:>5} {med['import_s']:>9.2f} {med['llm_ready_s']:>8.2f} "
+            summary.append({"config": label, "cache": state, **med})
+            print(f"{label:>{width}} {state:>5} {med['import_s']:>9.2f} {med['llm_ready_s']:>8.2f} "
                   f"{med['first_token_s']:>14.2f}")
     if args.json:
         with open(args.json, "w") as f:
