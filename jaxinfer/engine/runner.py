@@ -158,10 +158,12 @@ class ModelRunner:
         nothing there: XLA:CPU already spreads one compilation over the cores.)
 
         Every program is traced and lowered here, on the calling thread, and
-        only XLA's compilation of the lowered module runs on the other: JAX's
-        tracing and lowering are not made for two threads at once (a lowering
-        beside the serving thread's own tracing failed with a KeyError on a
-        jaxpr variable, now and then), while compilation is XLA's C++ alone."""
+        only XLA's compilation of the lowered modules runs on the other. JAX
+        calls its thread support limited, and a first version that also
+        lowered on the background thread failed now and then inside JAX's
+        lowering (a KeyError on a jaxpr variable) while the engine served;
+        compilation is XLA's C++ alone. Lowering all 25 programs of the default
+        engine costs ~2 s of the start (BENCHMARKS.md, "Cold start")."""
         buckets = self.buckets()
         layouts = dict.fromkeys(layout for _, _, layout in buckets)
         first = [max(b for b in buckets if b[2] == layout) for layout in layouts]
