@@ -44,6 +44,11 @@ VARIANTS = {
     # to 8 devices, 2 KV heads (split at TP 2, replicated at TP 4 and 8),
     # head_dim 16: the smallest the Pallas kernels take.
     "llama_tp": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
+    # Context parallelism (tests/test_ring_attention.py): very small, so 32k-token
+    # prompts stay cheap on CPU, with room for them in its positions.
+    "llama_ring": ("LlamaConfig", "LlamaForCausalLM",
+                   dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, max_position_embeddings=40960, rope_theta=500000.0)),
     # biases on q/k/v (repeated with the KV heads) and tied embeddings
     "qwen2_tp": ("Qwen2Config", "Qwen2ForCausalLM",
                  dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)),
