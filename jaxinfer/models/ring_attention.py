@@ -25,9 +25,11 @@ T / C rows; device c holds chunk c's queries and new K/V. Two rings:
      order: their fold is skipped (lax.cond).
   2. Cached-prefix ring. Keys computed in earlier steps (a previous chunk of
      a long prompt, a prefix-cache hit) stay where they are, in their
-     owners' pools; instead, each device's queries travel with their
-     softmax statistics (one packed ppermute per round), and every device
-     folds in the keys it owns. After C rounds they are home, complete.
+     owners' pools; instead, the queries travel (C - 1 ppermutes, each
+     issued before the fold it overlaps), every device folds each chunk's
+     queries into a partial softmax over the blocks it owns, and one
+     all_to_all of those partials, [C, T / C, H, D + 2] floats, brings each
+     chunk's home, where they are merged by log-sum-exp.
 
 Decode steps ("decode" layout, one token per sequence): the rows are few,
 so the residual stream is replicated over "context". Each device writes the
@@ -99,9 +101,7 @@ def _decode_local(q, k, v, k_pool, v_pool, layer_index, meta, *, sliding_window,
     stats = _fold_pool(_empty(qs), qs, k_pool, v_pool, layer_index, owned, meta.token_seq, key_end, meta.positions,
                        sliding_window, tile_blocks)
     # The one collective: every device's (acc, max, denom), merged by log-sum-exp.
-    running_max, denom, acc = stats
-    packed = jnp.concatenate([acc, running_max[..., None], denom[..., None]], axis=-1)
-    gathered = jax.lax.all_gather(packed, CONTEXT_AXIS)  # [C, T, KV, G, D + 2]
+    gathered = jax.lax.all_gather(_pack_stats(stats), CONTEXT_AXIS)  # [C, T, KV, G, D + 2]
     head_dim = q.shape[-1]
     merged = _merge_all(gathered[..., -2], gathered[..., -1], gathered[..., :head_dim])
     return _normalize(merged).reshape(q.shape), k_pool, v_pool
@@ -153,19 +153,32 @@ def _prefill_local(q, k, v, k_pool, v_pool, layer_index, meta, *, sliding_window
             kv = kv_next
 
     # Round 2: keys cached before this step stay in their owners' pools; the
-    # queries and their statistics travel instead, C hops, back home.
+    # queries travel instead. Each device folds every chunk's queries into a
+    # partial softmax over the blocks it owns (its own chunk's starting from
+    # round 1's statistics); the next chunk's queries are already in flight
+    # meanwhile, since they do not depend on the fold. The partials then go
+    # home in one all_to_all and are merged by log-sum-exp, so no transfer
+    # waits on a fold (passing the statistics around with the queries would
+    # put C transfers on the critical path).
     q_lens = meta.query_start[1:] - meta.query_start[:-1]
     cached_end = jnp.where(valid, (meta.context_lens - q_lens)[meta.token_seq], 0)
     owned = _owned_blocks(meta.block_tables, first, per_device, tile_blocks)
-    travel = _pack(qs, stats)
+    q_j, partials = qs, []
     for step in range(num_devices):
         j = (c - step) % num_devices
-        q_j, stats = _unpack(travel, head_dim)
-        stats = _fold_pool(stats, q_j, k_pool, v_pool, layer_index, owned, rows_of(meta.token_seq, j),
-                           rows_of(cached_end, j), rows_of(meta.positions, j), sliding_window, tile_blocks)
-        travel = jax.lax.ppermute(_pack(q_j, stats), CONTEXT_AXIS, perm)
-    _, stats = _unpack(travel, head_dim)
-    return _normalize(stats).reshape(q.shape), k_pool, v_pool
+        if step < num_devices - 1:
+            q_next = jax.lax.ppermute(q_j, CONTEXT_AXIS, perm)
+        start = stats if step == 0 else _empty(q_j)  # step 0 is this device's own chunk (j == c)
+        partial = _fold_pool(start, q_j, k_pool, v_pool, layer_index, owned, rows_of(meta.token_seq, j),
+                             rows_of(cached_end, j), rows_of(meta.positions, j), sliding_window, tile_blocks)
+        partials.append(_pack_stats(partial))
+        if step < num_devices - 1:
+            q_j = q_next
+    # partials[s] belongs to chunk (c - s) mod C; all_to_all sends slot d to device d.
+    by_owner = jnp.take(jnp.stack(partials), (c - jnp.arange(num_devices)) % num_devices, axis=0)
+    received = jax.lax.all_to_all(by_owner, CONTEXT_AXIS, 0, 0)  # [C, T / C, KV, G, D + 2]: every device's partial
+    merged = _merge_all(received[..., -2], received[..., -1], received[..., :head_dim])
+    return _normalize(merged).reshape(q.shape), k_pool, v_pool
 
 
 # -- pieces ----------------------------------------------------------------------------------
@@ -247,14 +260,10 @@ def _empty(qs):
     return (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(qs.shape, jnp.float32))
 
 
-def _pack(qs, stats):
+def _pack_stats(stats):
+    """(max, denom, acc) -> one array [..., D + 2], so a collective moves them together."""
     running_max, denom, acc = stats
-    return jnp.concatenate([qs, acc, running_max[..., None], denom[..., None]], axis=-1)
-
-
-def _unpack(packed, head_dim):
-    qs, acc = packed[..., :head_dim], packed[..., head_dim:2 * head_dim]
-    return qs, (packed[..., -2], packed[..., -1], acc)
+    return jnp.concatenate([acc, running_max[..., None], denom[..., None]], axis=-1)
 
 
 def _merge_all(running_max, denom, acc):
