@@ -125,7 +125,8 @@ class LLMEngine:
         if blocks > self.block_manager.num_usable_blocks:
             raise RequestError(
                 f"{name}: needs {blocks} KV blocks at full length ({longest} tokens) but the cache "
-                f"has {self.block_manager.num_usable_blocks}; lower max_tokens or raise num_kv_blocks"
+                f"has {self.block_manager.num_usable_blocks} (maximum context {self.max_context_len} tokens); lower "
+                f"max_tokens, raise num_kv_blocks, or spread the cache over more devices (context_parallel_size)"
             )
         if params.structured_outputs is not None:
             if self.tokenizer is None:
