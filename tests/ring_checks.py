@@ -293,9 +293,9 @@ def collectives(llm, layout):
 
 def check_collectives(llm, cp, tp):
     """The compiled forward programs contain only the expected collectives: a
-    prompt step, the ring's collective-permutes (new K/V [T/C, KV, 2D]; queries
-    [T/C, KV, G, D]), one all-to-all of the partial statistics
-    [C, T/C, KV, G, D + 2] and the logits rows; a decode step, the one
+    prompt step, the ring's collective-permutes (new K/V [T/C, KV, 2D];
+    queries [T/C, H, D]; partial statistics sent home [T/C, KV, G, D + 2])
+    and the logits rows; a decode step, the one
     all-gather of the partial statistics [C, T, KV, G, D + 2]; plus, with TP,
     its usual all-reduces of [tokens, hidden] and the logits gather. Nothing
     of the pool's or a whole step's K/V is ever gathered."""
@@ -307,9 +307,8 @@ def check_collectives(llm, cp, tp):
         allowed = {("all-reduce", f"f32[{n_seq},{hidden}]")}  # the sampled rows' hidden states, token-split
         if layout == "mixed":
             allowed |= {("collective-permute", f"f32[{rows},{kv},{2 * head_dim}]"),
-                        ("collective-permute", f"f32[{rows},{kv},{group},{head_dim}]"),
-                        ("all-to-all", f"f32[{cp},{rows},{kv},{group},{head_dim + 2}]"),
-                        ("all-to-all", f"f32[1,{rows},{kv},{group},{head_dim + 2}]")}  # tuple form
+                        ("collective-permute", f"f32[{rows},{heads // tp},{head_dim}]"),  # the queries
+                        ("collective-permute", f"f32[{rows},{kv},{group},{head_dim + 2}]")}  # the partials
             tp_rows = rows
         else:
             allowed |= {("all-gather", f"f32[{cp},{n_tok},{kv},{group},{head_dim + 2}]")}
@@ -320,10 +319,9 @@ def check_collectives(llm, cp, tp):
         permutes = sum(op == "collective-permute" for op, _ in found)
         gathers = [t for op, t in found if op == "all-gather" and t != f"f32[{n_seq},{VOCAB}]"]
         if layout == "mixed":
-            # One K/V ring and one query ring (C - 1 hops each) per layer (the scan body),
-            # and the one all-to-all that brings the partial statistics home.
-            assert permutes == 2 * (cp - 1), found
-            assert sum(op == "all-to-all" for op, _ in found) == 1, found
+            # Per layer (the scan body): the K/V ring, the query ring and the partials
+            # sent home, C - 1 hops each.
+            assert permutes == 3 * (cp - 1), found
             assert not gathers, found
         else:
             assert permutes == 0 and len(gathers) == 1, found

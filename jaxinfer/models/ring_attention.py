@@ -27,9 +27,10 @@ T / C rows; device c holds chunk c's queries and new K/V. Two rings:
      a long prompt, a prefix-cache hit) stay where they are, in their
      owners' pools; instead, the queries travel (C - 1 ppermutes, each
      issued before the fold it overlaps), every device folds each chunk's
-     queries into a partial softmax over the blocks it owns, and one
-     all_to_all of those partials, [C, T / C, H, D + 2] floats, brings each
-     chunk's home, where they are merged by log-sum-exp.
+     queries into a partial softmax over the blocks it owns and sends the
+     partial, [T / C, H, D + 2] floats, straight to the chunk's device
+     (C - 1 more ppermutes, each overlapping the next fold; only the last
+     is exposed), where the C partials are merged by log-sum-exp.
 
 Decode steps ("decode" layout, one token per sequence): the rows are few,
 so the residual stream is replicated over "context". Each device writes the
@@ -155,28 +156,32 @@ def _prefill_local(q, k, v, k_pool, v_pool, layer_index, meta, *, sliding_window
     # Round 2: keys cached before this step stay in their owners' pools; the
     # queries travel instead. Each device folds every chunk's queries into a
     # partial softmax over the blocks it owns (its own chunk's starting from
-    # round 1's statistics); the next chunk's queries are already in flight
-    # meanwhile, since they do not depend on the fold. The partials then go
-    # home in one all_to_all and are merged by log-sum-exp, so no transfer
-    # waits on a fold (passing the statistics around with the queries would
-    # put C transfers on the critical path).
+    # round 1's statistics). Nothing waits on a fold but the last partial:
+    # the next chunk's queries are sent before the fold (they do not depend on
+    # it), in the model's dtype (scaled to float32 on arrival, as the
+    # single-device path does), and each finished partial is sent straight to
+    # its chunk's device (a ppermute by `step` places), so it travels while
+    # the next fold runs. Passing the statistics around with the queries would
+    # put every one of the C transfers behind a fold.
     q_lens = meta.query_start[1:] - meta.query_start[:-1]
     cached_end = jnp.where(valid, (meta.context_lens - q_lens)[meta.token_seq], 0)
     owned = _owned_blocks(meta.block_tables, first, per_device, tile_blocks)
-    q_j, partials = qs, []
+    q_j, received = q, []
     for step in range(num_devices):
         j = (c - step) % num_devices
         if step < num_devices - 1:
             q_next = jax.lax.ppermute(q_j, CONTEXT_AXIS, perm)
-        start = stats if step == 0 else _empty(q_j)  # step 0 is this device's own chunk (j == c)
-        partial = _fold_pool(start, q_j, k_pool, v_pool, layer_index, owned, rows_of(meta.token_seq, j),
-                             rows_of(cached_end, j), rows_of(meta.positions, j), sliding_window, tile_blocks)
-        partials.append(_pack_stats(partial))
+        start = stats if step == 0 else _empty(qs)  # step 0 is this device's own chunk (j == c)
+        partial = _fold_pool(start, _scaled(q_j, num_kv_heads), k_pool, v_pool, layer_index, owned,
+                             rows_of(meta.token_seq, j), rows_of(cached_end, j), rows_of(meta.positions, j),
+                             sliding_window, tile_blocks)
+        home = [(i, (i - step) % num_devices) for i in range(num_devices)]  # chunk j's device is c - step
+        received.append(_pack_stats(partial) if step == 0 else
+                        jax.lax.ppermute(_pack_stats(partial), CONTEXT_AXIS, home))
         if step < num_devices - 1:
             q_j = q_next
-    # partials[s] belongs to chunk (c - s) mod C; all_to_all sends slot d to device d.
-    by_owner = jnp.take(jnp.stack(partials), (c - jnp.arange(num_devices)) % num_devices, axis=0)
-    received = jax.lax.all_to_all(by_owner, CONTEXT_AXIS, 0, 0)  # [C, T / C, KV, G, D + 2]: every device's partial
+    # received[s]: the partial of this device's chunk over device c + s's blocks.
+    received = jnp.stack(received)  # [C, T / C, KV, G, D + 2]
     merged = _merge_all(received[..., -2], received[..., -1], received[..., :head_dim])
     return _normalize(merged).reshape(q.shape), k_pool, v_pool
 
