@@ -104,7 +104,8 @@ def _generate(args) -> int:
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttft = outputs[0].metrics.time_to_first_token
     print(
-        f"[load + compile {loaded - start:.1f}s, first token {ttft * 1e3:.0f} ms, "
+        f"[load + compile {loaded - start:.1f}s, maximum context {llm.stats()['max_context_len']} tokens, "
+        f"first token {ttft * 1e3:.0f} ms, "
         f"{num_tokens} tokens in {done - loaded:.2f}s = {num_tokens / (done - loaded):.1f} tok/s]",
         file=sys.stderr,
     )
