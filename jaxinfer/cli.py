@@ -32,6 +32,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                           help="shard the model over N devices")
     parallel.add_argument("--data-parallel-size", type=int, default=None, metavar="M",
                           help="M engine replicas, each on its own N devices")
+    parallel.add_argument("--context-parallel-size", type=int, default=None, metavar="C",
+                          help="split each sequence's KV cache over C devices (ring attention)")
     parallel.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
                           help="multi-host: process 0's address (or JAX_COORDINATOR_ADDRESS)")
     parallel.add_argument("--num-processes", type=int, default=None, help="multi-host: number of hosts "
@@ -61,7 +63,8 @@ def _engine_options(args) -> dict:
 
 
 def _parallel_options(args) -> dict:
-    return dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+    return dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                context_parallel_size=args.context_parallel_size)
 
 
 def _quantization_options(args) -> dict:
@@ -101,7 +104,8 @@ def _generate(args) -> int:
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttft = outputs[0].metrics.time_to_first_token
     print(
-        f"[load + compile {loaded - start:.1f}s, first token {ttft * 1e3:.0f} ms, "
+        f"[load + compile {loaded - start:.1f}s, maximum context {llm.stats()['max_context_len']} tokens, "
+        f"first token {ttft * 1e3:.0f} ms, "
         f"{num_tokens} tokens in {done - loaded:.2f}s = {num_tokens / (done - loaded):.1f} tok/s]",
         file=sys.stderr,
     )

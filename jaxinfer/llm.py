@@ -40,20 +40,27 @@ class LLM:
     data_parallel_size M: M engine replicas on disjoint groups of N devices, requests spread over
     them by outstanding work (engine/data_parallel.py). Both default to None: one device, no
     mesh at all; giving either (even 1) runs the sharded code path on a mesh.
+    context_parallel_size C (1, 2, 4, 8 or 16): split each sequence's KV cache over C devices
+    (times N for tensor parallelism), attention as ring attention (models/ring_attention.py);
+    the longest servable context grows C times; num_kv_blocks then counts the blocks of all C.
     """
 
     def __init__(
         self, model=None, *, dtype: str = "float32", quantization: str | None = "auto", progress: bool = True,
-        tensor_parallel_size: int | None = None, data_parallel_size: int | None = None, **engine_options,
+        tensor_parallel_size: int | None = None, data_parallel_size: int | None = None,
+        context_parallel_size: int | None = None, **engine_options,
     ):
         meshes = [None]
-        if tensor_parallel_size is not None or data_parallel_size is not None:
+        if context_parallel_size not in (None, 1) and engine_options.get("attention_backend") is None:
+            engine_options["attention_backend"] = "xla"  # the ring is plain jnp under shard_map
+        if tensor_parallel_size is not None or data_parallel_size is not None or context_parallel_size is not None:
             from jaxinfer.parallel.distributed import check_data_parallel_hosts
             from jaxinfer.parallel.mesh import replica_meshes
 
             data_parallel_size = data_parallel_size or 1
             check_data_parallel_hosts(data_parallel_size)
-            meshes = replica_meshes(tensor_parallel_size or 1, data_parallel_size)
+            meshes = replica_meshes(tensor_parallel_size or 1, data_parallel_size,
+                                    context_parallel_size=context_parallel_size or 1)
         self.model = load(model, dtype=dtype, progress=progress, quantization=quantization, mesh=meshes[0])
         self.tokenizer = self.model.tokenizer
         if engine_options.get("max_model_len") is None:

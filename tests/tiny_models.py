@@ -46,6 +46,11 @@ VARIANTS = {
     "llama_tp": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
     # GGUF K-quants (tests/test_quant.py): every linear's input width a multiple of their 256-weight blocks
     "llama_kquant": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=256, intermediate_size=256)),
+    # Context parallelism (tests/test_ring_attention.py): very small, so 32k-token
+    # prompts stay cheap on CPU, with room for them in its positions.
+    "llama_ring": ("LlamaConfig", "LlamaForCausalLM",
+                   dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, max_position_embeddings=40960, rope_theta=500000.0)),
     # biases on q/k/v (repeated with the KV heads) and tied embeddings
     "qwen2_tp": ("Qwen2Config", "Qwen2ForCausalLM",
                  dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)),

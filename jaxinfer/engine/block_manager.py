@@ -36,6 +36,8 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
+from jaxinfer.engine.block_ownership import OwnedFreeBlocks
+
 
 def _chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     # SHA-256 rather than the built-in hash: Python's hash of a tuple of ints
@@ -65,7 +67,10 @@ class _Block:
 class BlockManager:
     NULL_BLOCK = 0
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_devices: int = 1):
+        """num_devices: the context-parallel devices the pool's blocks are split
+        over (engine/block_ownership.py); new blocks come from the one with the most room."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         if block_size < 1:
@@ -77,7 +82,8 @@ class BlockManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._blocks = [_Block() for _ in range(num_blocks)]
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self._free: deque[int] | OwnedFreeBlocks = (
+            deque(range(1, num_blocks)) if num_devices == 1 else OwnedFreeBlocks(num_blocks, num_devices))
         # Ref-0 cached blocks, least recently freed first: the eviction order.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}

@@ -11,6 +11,7 @@ from jaxinfer.engine.spec.config import SpeculativeConfig
 from jaxinfer.loading.model import Model
 from jaxinfer.models import kv_cache
 from jaxinfer.models.paged_attention import ATTENTION_BACKENDS
+from jaxinfer.parallel.mesh import context_parallel_size
 
 CPU_KV_CACHE_BYTES = 512 * 2**20  # default pool size without a GPU to measure
 
@@ -79,6 +80,24 @@ class EngineConfig:
         return self.speculative.num_speculative_tokens if self.speculative is not None else 0
 
 
+def check_context_parallel(config: EngineConfig, mesh) -> None:
+    """What context parallelism (models/ring_attention.py) does not serve yet, refused up front."""
+    cp = context_parallel_size(mesh)
+    if cp == 1:
+        return
+    if config.kv_cache_dtype != "auto":
+        raise ValueError("context_parallel_size > 1 needs kv_cache_dtype='auto' (a float KV cache)")
+    if config.speculative is not None:
+        raise ValueError("context_parallel_size > 1 does not support speculative decoding")
+    if config.attention_backend != "xla" and config.attention_backend is not None:
+        raise ValueError("context_parallel_size > 1 runs its own ring attention; attention_backend must be 'xla'")
+    if config.num_kv_blocks is not None and config.num_kv_blocks % cp:
+        raise ValueError(f"num_kv_blocks ({config.num_kv_blocks}) must be a multiple of context_parallel_size ({cp}): "
+                         "each device holds num_kv_blocks / context_parallel_size blocks")
+    if config.num_kv_blocks is not None and config.num_kv_blocks // cp < 2:
+        raise ValueError(f"num_kv_blocks must give each of the {cp} context devices at least 2 blocks")
+
+
 def kv_block_bytes(model: Model, block_size: int, kv_cache_dtype: str = "auto") -> int:
     return kv_cache.kv_block_bytes(model.config, block_size, model.dtype, kv_cache_dtype)
 
@@ -103,6 +122,8 @@ def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int
         full = config.max_num_seqs * -(-config.max_model_len // config.block_size) * per_block
         budget = min(full, CPU_KV_CACHE_BYTES)
     num_blocks = max(2, budget // per_block + 1)
+    cp = context_parallel_size(model.mesh)
+    num_blocks = max(cp, num_blocks // cp * cp)  # context parallelism: the same block count on every device
     if jax.process_count() > 1:
         # Lockstep hosts must build the same pool (same shapes, same programs): the smallest wins.
         from jax.experimental import multihost_utils

@@ -30,9 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from jaxinfer.errors import RequestError
 from jaxinfer.outputs import RequestOutput
 
-# Replicas step concurrently, so their times overlap: report the largest.
+# Replicas step concurrently, so their times overlap: report the largest; a
+# request lives on one replica, so the maximum context is one replica's.
 # Counts (tokens, blocks, compilations, cache hits) add up.
-_MAX_STATS = ("host_time_s", "device_time_s")
+_MAX_STATS = ("host_time_s", "device_time_s", "max_context_len")
 
 
 def outstanding_steps(engine) -> float:

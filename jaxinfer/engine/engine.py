@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import time
 
 import jax
 import numpy as np
 
 from jaxinfer.engine.block_manager import BlockManager
-from jaxinfer.engine.config import EngineConfig, choose_num_blocks, kv_block_bytes
+from jaxinfer.engine.config import EngineConfig, check_context_parallel, choose_num_blocks, kv_block_bytes
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.request import RequestState
 from jaxinfer.engine.runner import ModelRunner
@@ -41,10 +42,13 @@ from jaxinfer.errors import RequestError
 from jaxinfer.loading.model import Model
 from jaxinfer.models import kv_cache
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxinfer.parallel.mesh import context_parallel_size
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.structured.grammar import GrammarCompiler, GrammarError, grammar_text
 from jaxinfer.structured.matcher import StructuredState
 
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -59,10 +63,16 @@ class LLMEngine:
 
             draft = load_draft_model(spec, model, progress)  # before sizing the pools: it takes memory
         extra = kv_block_bytes(draft, config.block_size, config.kv_cache_dtype) if draft is not None else 0
+        check_context_parallel(config, model.mesh)
         num_blocks = choose_num_blocks(model, config, extra)
         cache = kv_cache.allocate_kv_cache(model.config, num_blocks, config.block_size, model.dtype,
                                            config.kv_cache_dtype, mesh=model.mesh)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        cp = context_parallel_size(model.mesh)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, cp)
+        # The longest context one sequence can hold: the whole pool, every context device's share.
+        self.max_context_len = min(config.max_model_len, self.block_manager.num_usable_blocks * config.block_size)
+        log.info("KV pool: %d blocks of %d tokens, %d per device over %d context device(s); maximum context %d "
+                 "tokens", num_blocks, config.block_size, num_blocks // cp, cp, self.max_context_len)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
         )
@@ -115,7 +125,8 @@ class LLMEngine:
         if blocks > self.block_manager.num_usable_blocks:
             raise RequestError(
                 f"{name}: needs {blocks} KV blocks at full length ({longest} tokens) but the cache "
-                f"has {self.block_manager.num_usable_blocks}; lower max_tokens or raise num_kv_blocks"
+                f"has {self.block_manager.num_usable_blocks} (maximum context {self.max_context_len} tokens); lower "
+                f"max_tokens, raise num_kv_blocks, or spread the cache over more devices (context_parallel_size)"
             )
         if params.structured_outputs is not None:
             if self.tokenizer is None:
@@ -297,6 +308,7 @@ class LLMEngine:
             "num_programs_compiling": len(self.runner.programs()) - len(self.runner.compiled_programs),
             "kv_blocks_total": bm.num_usable_blocks,
             "kv_blocks_used": bm.num_used_blocks,
+            "max_context_len": self.max_context_len,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -36,6 +36,10 @@ runs per shard with shard_map, parallel/attention.py) and the outputs that go
 to the host are constrained to be replicated, so every device (every host, in
 a multi-host run) holds the tokens. Without a mesh the programs are exactly
 the single-device ones.
+
+Context parallelism: on a ("context", "model") mesh every layout's attention
+is ring attention over the block-split pool (models/ring_attention.py), and a
+prompt step's token rows are split over "context".
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ from jaxinfer.engine.verify import verify, verify_greedy
 from jaxinfer.models.layers import rms_norm
 from jaxinfer.models.llama import compute_logits, forward
 from jaxinfer.models.paged_attention import paged_cache_attention, verification_attention
-from jaxinfer.parallel.mesh import MODEL_AXIS
+from jaxinfer.models.ring_attention import ring_cache_attention
+from jaxinfer.parallel.mesh import CONTEXT_AXIS, MODEL_AXIS, context_parallel_size, tensor_parallel_size
 from jaxinfer.sampling_params import MAX_LOGPROBS
 
 LAYOUTS = ("decode", "mixed", "verify")
@@ -72,13 +77,15 @@ def _gathered_logits(logits, mesh):
     vocabulary moves the whole head every step rather than [rows, vocab]."""
     if mesh is None:
         return logits
-    if logits.shape[-1] % mesh.size == 0:
+    if logits.shape[-1] % tensor_parallel_size(mesh) == 0:
         vocab_split = PartitionSpec(*([None] * (logits.ndim - 1)), MODEL_AXIS)
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, vocab_split))
     return _replicated(logits, mesh)
 
 
 def _attention(attn_meta, config: ModelConfig, backend: str, layout: str, num_tokens: int, mesh):
+    if context_parallel_size(mesh) > 1:  # the pool's blocks are split over devices: ring attention
+        return ring_cache_attention(attn_meta, config.sliding_window, layout == "decode", mesh)
     if layout == "verify":
         rows = num_tokens // attn_meta.context_lens.shape[0]
         return verification_attention(attn_meta, rows, config.sliding_window, backend, mesh)
@@ -91,7 +98,14 @@ def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, *, config:
                  layout: str, with_features: bool = False, mesh=None):
     """-> (logits [len(logits_indices), V], pre-norm hidden [T, hidden] or None, kv_cache)."""
     attention = _attention(attn_meta, config, backend, layout, tokens.shape[0], mesh)
-    pre, kv_cache = forward(params, config, tokens[None], attn_meta.positions[None], attention, kv_cache,
+    positions = attn_meta.positions
+    if context_parallel_size(mesh) > 1 and layout == "mixed":
+        # Context parallelism: a prompt step's rows (and so the whole residual
+        # stream, the MLPs' work) are split over "context"; decode rows are few
+        # and stay replicated (models/ring_attention.py).
+        rows = NamedSharding(mesh, PartitionSpec(CONTEXT_AXIS))
+        tokens, positions = jax.lax.with_sharding_constraint((tokens, positions), rows)
+    pre, kv_cache = forward(params, config, tokens[None], positions[None], attention, kv_cache,
                             final_norm=False)
     hidden = rms_norm(pre[0], params["final_norm"], config.rms_norm_eps)
     # Logits only where a token is sampled. On a mesh they come out split on

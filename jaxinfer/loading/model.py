@@ -16,6 +16,7 @@ from jaxinfer.loading.orbax import OrbaxCheckpoint
 from jaxinfer.loading.params import QUANTIZATIONS, build_params, resolve_dtype
 from jaxinfer.models.attention import full_sequence_attention
 from jaxinfer.models.llama import compute_logits, forward
+from jaxinfer.parallel.mesh import tensor_parallel_size
 from jaxinfer.quant.params import quantize_params
 from jaxinfer.utils import bucket_size, enable_compilation_cache
 
@@ -124,7 +125,8 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
     if mesh is not None:
         from jaxinfer.parallel.sharding import sharded_config
 
-        run_config = sharded_config(config, mesh.size)  # checks the sizes divide before anything is read
+        # Checks the sizes divide before anything is read.
+        run_config = sharded_config(config, tensor_parallel_size(mesh))
     if isinstance(source, OrbaxCheckpoint):  # a jaxinfer checkpoint: restored by orbax onto the device(s)
         if quantization == "gguf":
             raise ValueError(f'quantization="gguf" needs a GGUF checkpoint; {description} is not one')
@@ -155,7 +157,7 @@ def _orbax_shardings(source: OrbaxCheckpoint, config: ModelConfig, mesh):
 
     from jaxinfer.parallel.sharding import KV_KEYS, kv_head_replication, stored_spec
 
-    replicate_kv = kv_head_replication(config.num_kv_heads, mesh.size) > 1
+    replicate_kv = kv_head_replication(config.num_kv_heads, tensor_parallel_size(mesh)) > 1
 
     def sharding_for(path, shape, dtype):
         head, _, last = path.rpartition("/")
@@ -163,6 +165,6 @@ def _orbax_shardings(source: OrbaxCheckpoint, config: ModelConfig, mesh):
         if replicate_kv and param in KV_KEYS:
             return NamedSharding(mesh, PartitionSpec())
         logical = tuple(source.structure[param]["shape"])
-        return NamedSharding(mesh, stored_spec(path, tuple(shape), logical, mesh.size))
+        return NamedSharding(mesh, stored_spec(path, tuple(shape), logical, tensor_parallel_size(mesh)))
 
     return sharding_for

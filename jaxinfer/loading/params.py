@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.llama import param_shapes
+from jaxinfer.parallel.mesh import tensor_parallel_size
 from jaxinfer.quant.params import HEAD_SCHEMES, LINEAR_KEYS, quantize_weight
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor, as_int8_groups
 
@@ -111,7 +112,7 @@ class _Placement:
         from jaxinfer.parallel.sharding import check_divisible, kv_head_replication
 
         self.mesh = mesh
-        self.tp = mesh.size
+        self.tp = tensor_parallel_size(mesh)
         check_divisible(config, self.tp)
         self.kv_replication = kv_head_replication(config.num_kv_heads, self.tp)
         self.num_kv_heads = config.num_kv_heads

@@ -77,7 +77,8 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
                       mesh=None):
     """Zeroed cache pytree for all layers (see the module docstring for its two forms).
     mesh: None (the default device) or a ("model",) mesh: every part is split
-    on its KV-head axis (parallel/sharding.py) and each device zeroes only its shard."""
+    on its KV-head axis (parallel/sharding.py) and each device zeroes only its shard;
+    on a ("context", "model") mesh the block axis is split over "context" as well."""
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     storage = kv_storage_dtype(dtype, kv_cache_dtype)
 
@@ -89,9 +90,11 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
 
     if mesh is None:
         return zeros()
+    from jaxinfer.parallel.mesh import context_parallel_size
     from jaxinfer.parallel.sharding import kv_cache_specs, named
 
-    return jax.jit(zeros, out_shardings=named(kv_cache_specs(kv_cache_dtype != "auto"), mesh))()
+    specs = kv_cache_specs(kv_cache_dtype != "auto", context_parallel_size(mesh) > 1)
+    return jax.jit(zeros, out_shardings=named(specs, mesh))()
 
 
 def quantize_kv(x, storage_dtype):

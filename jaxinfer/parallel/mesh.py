@@ -15,6 +15,14 @@ Device order: jax.devices() lists devices by process, then by local id;
 consecutive groups of tp devices stay inside one host when tp divides the
 devices per host, so a replica's all-reduces ride the intra-host links
 (NVLink) whenever it fits in one host.
+
+Context parallelism (CP, context_parallel_size=C > 1) adds a second axis,
+"context", in front: the mesh is (C, tp) devices, axes ("context", "model").
+The params are split over "model" only (so they are replicated over
+"context"), the KV pool's block axis is split over "context" (each device
+owns a contiguous range of physical blocks, engine/block_ownership.py), and
+attention runs as ring attention (models/ring_attention.py). With C == 1 the
+mesh stays the plain ("model",) one, so a TP-only run is exactly as before.
 """
 
 from __future__ import annotations
@@ -23,27 +31,53 @@ import numpy as np
 from jax.sharding import Mesh
 
 MODEL_AXIS = "model"
+CONTEXT_AXIS = "context"
 
 
-def check_parallel_sizes(tensor_parallel_size: int, data_parallel_size: int, num_devices: int) -> None:
-    for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
+def tensor_parallel_size(mesh) -> int:
+    """Devices the params are split over (the "model" axis); 1 without a mesh."""
+    return 1 if mesh is None else mesh.shape[MODEL_AXIS]
+
+
+def context_parallel_size(mesh) -> int:
+    """Devices the sequence (the KV pool's blocks) is split over; 1 without a "context" axis."""
+    return 1 if mesh is None or CONTEXT_AXIS not in mesh.axis_names else mesh.shape[CONTEXT_AXIS]
+
+
+def check_parallel_sizes(tensor_parallel_size: int, data_parallel_size: int, num_devices: int,
+                         context_parallel_size: int = 1) -> None:
+    for name, value in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size),
+                        ("context_parallel_size", context_parallel_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    needed = tensor_parallel_size * data_parallel_size
+    if 16 % context_parallel_size:
+        # Prompt steps split their token rows evenly over the context axis, and
+        # the smallest token bucket is 16 rows (engine/runner.py).
+        raise ValueError(f"context_parallel_size must divide 16 (1, 2, 4, 8 or 16), got {context_parallel_size}")
+    needed = tensor_parallel_size * data_parallel_size * context_parallel_size
     if needed > num_devices:
         raise ValueError(
+            f"context_parallel_size {context_parallel_size} x "
             f"tensor_parallel_size {tensor_parallel_size} x data_parallel_size {data_parallel_size} needs {needed} "
             f"devices, but JAX sees {num_devices} (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N "
             f"before JAX starts)"
         )
 
 
-def replica_meshes(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None) -> list[Mesh]:
+def replica_meshes(tensor_parallel_size: int = 1, data_parallel_size: int = 1, devices=None,
+                   context_parallel_size: int = 1) -> list[Mesh]:
     """One ("model",) mesh of tensor_parallel_size devices per DP replica, over
-    disjoint consecutive groups of `devices` (default jax.devices())."""
+    disjoint consecutive groups of `devices` (default jax.devices()); with
+    context_parallel_size C > 1, a (C, tp) ("context", "model") mesh per
+    replica, the tp devices of one context shard consecutive (TP's all-reduces
+    are the chattier collectives, so they get the nearest devices)."""
     import jax
 
     devices = list(jax.devices() if devices is None else devices)
-    check_parallel_sizes(tensor_parallel_size, data_parallel_size, len(devices))
-    tp = tensor_parallel_size
-    return [Mesh(np.array(devices[r * tp:(r + 1) * tp]), (MODEL_AXIS,)) for r in range(data_parallel_size)]
+    check_parallel_sizes(tensor_parallel_size, data_parallel_size, len(devices), context_parallel_size)
+    tp, cp = tensor_parallel_size, context_parallel_size
+    size = tp * cp
+    groups = [np.array(devices[r * size:(r + 1) * size]) for r in range(data_parallel_size)]
+    if cp == 1:
+        return [Mesh(group, (MODEL_AXIS,)) for group in groups]
+    return [Mesh(group.reshape(cp, tp), (CONTEXT_AXIS, MODEL_AXIS)) for group in groups]

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxinfer.parallel.mesh import tensor_parallel_size
+
 
 
 def put(array: np.ndarray, sharding, dtype=None) -> jax.Array:
@@ -74,7 +76,7 @@ def shard_params(params: dict, mesh) -> dict:
     device to device; a no-op for leaves already placed so."""
     from jaxinfer.parallel.sharding import named, param_specs
 
-    return jax.device_put(params, named(param_specs(params, mesh.size), mesh))
+    return jax.device_put(params, named(param_specs(params, tensor_parallel_size(mesh)), mesh))
 
 
 def expand_kv_params(params: dict, num_kv_heads: int, mesh) -> dict:
@@ -83,7 +85,7 @@ def expand_kv_params(params: dict, num_kv_heads: int, mesh) -> dict:
     own heads, from a replicated copy of the (small) unexpanded weight."""
     from jaxinfer.parallel.sharding import expand_kv_weight, kv_head_replication, named, param_specs
 
-    r = kv_head_replication(num_kv_heads, mesh.size)
+    r = kv_head_replication(num_kv_heads, tensor_parallel_size(mesh))
     if r == 1:
         return params
     layers = dict(params["layers"])
@@ -91,7 +93,7 @@ def expand_kv_params(params: dict, num_kv_heads: int, mesh) -> dict:
         if key in layers:
             fn = functools.partial(expand_kv_weight, num_kv_heads=num_kv_heads, replication=r)
             shape = jax.eval_shape(fn, layers[key])
-            out = named(param_specs({"layers": {key: shape}}, mesh.size), mesh)["layers"][key]
+            out = named(param_specs({"layers": {key: shape}}, tensor_parallel_size(mesh)), mesh)["layers"][key]
             layers[key] = jax.jit(fn, out_shardings=out)(layers[key])
     return {**params, "layers": layers}
 

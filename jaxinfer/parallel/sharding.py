@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.parallel.mesh import MODEL_AXIS
+from jaxinfer.parallel.mesh import CONTEXT_AXIS, MODEL_AXIS
 from jaxinfer.quant.tensor import QuantizedTensor
 
 M = MODEL_AXIS
@@ -204,8 +204,11 @@ def is_replicated(spec: P) -> bool:
 # the KV pool
 
 
-def kv_cache_specs(quantized: bool) -> tuple:
+def kv_cache_specs(quantized: bool, context_parallel: bool = False) -> tuple:
     """(k_pool, v_pool[, k_scales, v_scales]) split on the KV-head axis:
-    pools [layers, blocks, block_size, KV, D], scales [layers, blocks, block_size, KV]."""
-    pool, scales = P(None, None, None, M, None), P(None, None, None, M)
+    pools [layers, blocks, block_size, KV, D], scales [layers, blocks, block_size, KV];
+    with context_parallel, the block axis is split over "context" too, so each
+    device holds a contiguous range of blocks (engine/block_ownership.py)."""
+    blocks = CONTEXT_AXIS if context_parallel else None
+    pool, scales = P(None, blocks, None, M, None), P(None, blocks, None, M)
     return (pool, pool, scales, scales) if quantized else (pool, pool)
