@@ -42,6 +42,11 @@ class EngineConfig:
     # Structured outputs: seconds a request waits for its grammar to compile
     # before it fails (the compile runs on a worker thread, off the step path).
     structured_outputs_compile_timeout: float = 10.0
+    # LoRA (lora/): serve PEFT adapters, up to max_loras distinct ones in a
+    # step, each of rank <= max_lora_rank (vLLM's names and defaults).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
@@ -67,6 +72,13 @@ class EngineConfig:
                 and self.structured_outputs_compile_timeout > 0):
             raise ValueError("structured_outputs_compile_timeout must be a positive number of seconds, got "
                              f"{self.structured_outputs_compile_timeout!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.enable_lora and self.speculative is not None:
+            raise ValueError("enable_lora with speculative decoding is not supported (the drafts would come "
+                             "from the base model, not the request's adapter)")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
 
