@@ -282,3 +282,25 @@ def test_lora_request_needs_enable_lora(tmp_path):
     with pytest.raises(ValueError, match="speculative"):
         LLM(str(base_dir), progress=False, enable_lora=True,
             speculative={"method": "ngram", "num_speculative_tokens": 2}, **ENGINE)
+
+
+@pytest.mark.parametrize("form", ["gather", "one-hot", "ragged"])
+def test_lora_delta_forms_match_float64(form):
+    """Each form of models/lora.py (the engine picks gather or one-hot by row
+    count; ragged is measured by scripts/bench_lora.py) against a float64
+    per-row loop, with rows of slot 0 (no adapter) among the others."""
+    from jaxinfer.models import lora
+
+    rng = np.random.default_rng(0)
+    fan_in, slots, rank, fan_out = 12, 3, 4, 10
+    a = rng.normal(size=(fan_in, slots, rank)).astype(np.float32)
+    b = rng.normal(size=(slots, rank, fan_out)).astype(np.float32)
+    for rows in (1, 3, 8):
+        x = rng.normal(size=(rows, fan_in)).astype(np.float32)
+        row_slots = np.array([(3 * k + 1) % (slots + 1) for k in range(rows)], np.int32)  # 1, 0, 3, 2, ...
+        expected = np.zeros((rows, fan_out))
+        for k, s in enumerate(row_slots):
+            if s:
+                expected[k] = x[k].astype(np.float64) @ a[:, s - 1].astype(np.float64) @ b[s - 1].astype(np.float64)
+        got = np.asarray(lora._FORMS[form](x, a, b, row_slots))
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
