@@ -8,15 +8,15 @@ import copy
 import json
 
 import numpy as np
+import peft  # the test extra (pyproject.toml): a missing peft fails here rather than skipping
 import pytest
 import torch
 
-peft = pytest.importorskip("peft")  # the test extra (pyproject.toml) installs it
-
 from jaxinfer import LLM, LoRARequest, SamplingParams
 from jaxinfer.errors import RequestError
+from tests.lora_helpers import last_row_logits, make_adapter, peft_model
 from tests.parallel_checks import count_compilations
-from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model, save_hf_model
+from tests.tiny_models import assert_logits_close, hf_greedy, hf_logits, make_hf_model, save_hf_model
 
 ENGINE = dict(max_model_len=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -29,52 +29,6 @@ ADAPTERS = {
                            rank_pattern={"down_proj": 2}, alpha_pattern={"gate_proj": 3}),
     "qk_kv2": dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj"]),
 }
-
-
-def make_adapter(base, directory, seed, **options):
-    """A random PEFT adapter of `base` saved to `directory`; B scaled up so
-    that the adapter moves the logits far beyond the parity tolerance."""
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **options))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(20.0)
-    model.save_pretrained(str(directory))
-    return str(directory)
-
-
-def peft_model(base, directory):
-    return peft.PeftModel.from_pretrained(copy.deepcopy(base), directory).eval()
-
-
-def hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
-
-
-def last_row_logits(llm, prompts, lora_ids):
-    """One mixed forward of the engine's runner over `prompts` (sequence i
-    with adapter lora_ids[i], 0 = none): the logits of each last row."""
-    engine = llm.engine
-    slots = [engine.lora.acquire(i) if i else 0 for i in lora_ids]
-    tables = []
-    for k, prompt in enumerate(prompts):
-        engine.block_manager.allocate_prefix(("parity", k), [])
-        assert engine.block_manager.allocate(("parity", k), len(prompt))
-        tables.append(engine.block_manager.block_table(("parity", k)))
-    try:
-        inputs = engine.runner.inputs(prompts, [0] * len(prompts), [len(p) for p in prompts], tables,
-                                      seq_lora_slots=slots)
-        logits, _ = engine.runner.forward(inputs)
-        return np.asarray(logits)[: len(prompts)]
-    finally:
-        for k in range(len(prompts)):
-            engine.block_manager.free(("parity", k))
-        for slot in slots:
-            if slot:
-                engine.lora.release(slot)
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,14 @@ def test_tensor_parallel_equals_single_device(group):
     assert f"{group}: ok" in out
 
 
+def test_lora_tensor_parallel_equals_single_device():
+    """LoRA adapters at TP 2 and 4: A/B split with their base weights, a
+    mixed-adapter batch's logits and greedy tokens equal the single-device
+    LoRA engine's (itself checked against PeftModel)."""
+    out = _run_checks("lora", devices=8)
+    assert "lora: ok" in out
+
+
 def test_data_parallel_2x2_equals_single_device():
     out = _run_checks("dp", devices=4)
     assert "dp: ok" in out
