@@ -207,7 +207,7 @@ class _FakeReplica:
         self.requests = {}
         self.scheduler = SimpleNamespace(running=[], waiting=[])
 
-    def add_request(self, request_id, prompt_token_ids, params, prompt=None):
+    def add_request(self, request_id, prompt_token_ids, params, prompt=None, lora_request=None):
         seqs = [_FakeSeq(prompt_token_ids, params.max_tokens) for _ in range(params.n)]
         self.requests[request_id] = SimpleNamespace(sequences=seqs)
         self.scheduler.waiting.extend(seqs)
