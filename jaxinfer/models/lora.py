@@ -3,7 +3,8 @@ adapters: y += (x A[slot]) B[slot] per row, from the slot buffers of
 lora/slots.py (A [in, S, r], B [S, r, out] for one layer; a row's slot 0
 means no adapter, slot s its buffer index s - 1; scales are folded into B).
 
-Two forms, picked per compiled shape by the number of rows (static):
+Three forms; the engine picks gather or one-hot per compiled shape by the
+number of rows (static):
 
   gather   A[slot] and B[slot] per row, then per-row contractions: reads
            one adapter's r columns per row, so at a few rows it moves the
