@@ -11,9 +11,12 @@ with enable_lora=True, max_loras=4, max_lora_rank=16) and times decode steps
     lora-1      the LoRA engine, every row with the same adapter
     lora-4      the LoRA engine, rows cycling through 4 distinct adapters
 
-at each batch size. The VM's speed drifts (up to 2x over tens of seconds),
-so configurations are interleaved within each round, in a shuffled order,
-and the table gives the median over rounds of each round's ratio to base.
+at each batch size. The VM is shared and its speed drifts (up to 2x within
+seconds when others run), so configurations are interleaved step by step:
+each round times --steps single steps of every configuration, the
+configurations in a fresh shuffled order for each step, and takes each
+configuration's median; the table gives the median over rounds of each
+round's ratio to base (and the spread of those ratios).
 Adapter load time: reading + checking the PEFT files (host) and writing a
 device slot, medians.
 
@@ -135,8 +138,12 @@ def bench_steps(args) -> dict:
         times = {name: [] for name in configs}
         order = list(configs)
         for _ in range(args.rounds):
-            random.shuffle(order)
-            round_times = {name: timed(configs[name], args.steps) for name in order}
+            samples = {name: [] for name in configs}
+            for _ in range(args.steps):
+                random.shuffle(order)
+                for name in order:
+                    samples[name].append(timed(configs[name], 1))
+            round_times = {name: statistics.median(samples[name]) for name in configs}
             for name in configs:
                 times[name].append(round_times[name])
                 ratios[name].append(round_times[name] / round_times["base"])
@@ -189,7 +196,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=5, help="steps timed per configuration per round (median)")
+    parser.add_argument("--steps", type=int, default=5, help="single steps timed per configuration per round, interleaved (median)")
     parser.add_argument("--forms", action="store_true", help="time the LoRA term alone in each form instead")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
