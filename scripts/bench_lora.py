@@ -224,7 +224,8 @@ def main() -> None:
     results["jax"] = jax.__version__
     print(f"commit {results['commit']}, {results['device']}, jax {results['jax']}")
     results["command"] = "python scripts/bench_lora.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("json", "forms"))
+        f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in vars(args).items() if k not in ("json", "forms")) + (" --forms" if args.forms else "")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str))
 
