@@ -306,7 +306,8 @@ def lora_group():
     repeated, so the k/v adapters' B columns are repeated with them) gives
     the single-device LoRA engine's logits, which match PeftModel's; each
     A/B buffer is split like its base weight; greedy tokens equal the
-    single-device engine's, with no compilation after warm-up."""
+    single-device engine's, with no compilation after warm-up. Then the same
+    at TP 2 over int8 base weights, against the single-device int8 engine."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxinfer import LoRARequest
@@ -352,6 +353,13 @@ def lora_group():
         log(f"LoRA TP{tp} (kv_heads {llm.model.config.num_kv_heads}): A/B split with their base weights, "
             f"mixed-batch logits equal single-device (max |diff| {np.abs(logits - single_logits).max():.2e}), "
             f"greedy tokens equal, no compilation")
+    # int8 base weights (quantized matmuls per shard) with the float LoRA term beside them.
+    int8_logits, int8_tokens = run(LLM(directory, progress=False, quantization="int8", **options))
+    logits, tokens = run(LLM(directory, progress=False, quantization="int8", tensor_parallel_size=2, **options))
+    assert_logits_close(logits, int8_logits, rtol=1e-5)
+    assert tokens == int8_tokens, (tokens, int8_tokens)
+    log(f"LoRA int8 TP2: mixed-batch logits equal single-device int8 (max |diff| "
+        f"{np.abs(logits - int8_logits).max():.2e}), greedy tokens equal")
 
 
 def dp_group():
