@@ -88,6 +88,7 @@ class KVMemoryTracker:
 
 
 def run_throughput(llm, requests) -> dict:
+    llm.wait_compiled()  # no background compilation on the clock
     engine = llm.engine
     stats_before = engine.stats()
     memory = KVMemoryTracker(engine)
@@ -143,6 +144,7 @@ def speculation_summary(engine, before: dict, after: dict) -> dict:
 
 def run_latency(llm, batch_size: int, input_len: int, output_len: int, seed=0) -> dict:
     """One batch: time of the step(s) that prefill it, then the mean decode step."""
+    llm.wait_compiled()  # no background compilation on the clock
     engine = llm.engine
     requests = synthetic_requests(llm.model.config.vocab_size, batch_size, input_len, output_len, seed=seed)
     for i, (prompt, params) in enumerate(requests):

@@ -33,6 +33,8 @@ class LLM:
     kv_cache_dtype ("auto": the model's dtype; "int8" or "fp8": quantized K/V with a float32 scale
     per token and KV head, about 4x (float32 models) or 2x (bfloat16) the blocks for the same memory),
     speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see engine/spec/config.py),
+    background_compile (True: serve once the largest shape buckets are compiled and compile the
+    others on a thread; see wait_compiled),
     enable_lora / max_loras / max_lora_rank (serve PEFT LoRA adapters: up to max_loras distinct adapters in
     one step, ranks up to max_lora_rank; requests pick theirs with `lora_request=`, see lora/).
 
@@ -171,3 +173,9 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def wait_compiled(self) -> None:
+        """Block until the engine's background warm-up has compiled every
+        program (the engine option background_compile): until then a step may
+        run in a larger bucket than its own, and compilation shares the CPU."""
+        self.engine.wait_compiled()

@@ -412,37 +412,34 @@ def load_tokenizer(path) -> Tokenizer:
 # GGUF
 
 
-def _gguf(reader, key, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def tokenizer_from_gguf(reader) -> Tokenizer | None:
-    tokens = _gguf(reader, "tokenizer.ggml.tokens")
+    """reader: a loading.gguf_file.GGUFFile (its fields hold decoded values)."""
+    meta = reader.fields
+    tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
         return None
-    model = _gguf(reader, "tokenizer.ggml.model")
-    types = _gguf(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    model = meta.get("tokenizer.ggml.model")
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise TokenizerError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    bos = _gguf(reader, "tokenizer.ggml.bos_token_id")
-    eos = _gguf(reader, "tokenizer.ggml.eos_token_id")
-    enders = [_gguf(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    enders = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
     enders += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _END_OF_TURN_TEXTS]
     common = dict(bos_token_id=bos, eos_token_id=eos, extra_eos_ids=[i for i in enders if i is not None],
-                  chat_template=_gguf(reader, "tokenizer.chat_template"))
+                  chat_template=meta.get("tokenizer.chat_template"))
 
     if model == "gpt2":
-        backend = _byte_level_bpe(tokens, types, _gguf(reader, "tokenizer.ggml.merges") or [],
-                                  _gguf(reader, "tokenizer.ggml.pre"))
-        return HFTokenizer(backend, add_bos_token=bool(_gguf(reader, "tokenizer.ggml.add_bos_token", False)), **common)
+        backend = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges") or [],
+                                  meta.get("tokenizer.ggml.pre"))
+        return HFTokenizer(backend, add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)), **common)
     if model == "llama":
-        scores = _gguf(reader, "tokenizer.ggml.scores")
+        scores = meta.get("tokenizer.ggml.scores")
         if scores is None:  # without scores, file order is the best guess at merge priority
             scores = [-float(i) for i in range(len(tokens))]
-        processor = _sentencepiece_bpe(tokens, scores, types, _gguf(reader, "tokenizer.ggml.unknown_token_id"),
-                                       bool(_gguf(reader, "tokenizer.ggml.add_space_prefix", True)))
-        add_bos = bool(_gguf(reader, "tokenizer.ggml.add_bos_token", True))
+        processor = _sentencepiece_bpe(tokens, scores, types, meta.get("tokenizer.ggml.unknown_token_id"),
+                                       bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
         return SentencePieceTokenizer(processor, add_bos_token=add_bos, **common)
     raise TokenizerError(f"GGUF tokenizer.ggml.model {model!r} is not supported (supported: 'gpt2', 'llama')")
 

@@ -222,6 +222,7 @@ def setup_jaxinfer(path, scheme, prompts, prefill_prompt, batch_sizes, output_le
               max_num_seqs=max_batch, max_num_batched_tokens=max(max_batch * prompt_len, len(prefill_prompt)),
               num_kv_blocks=1 + max(max_batch * blocks_per_seq, math.ceil(len(prefill_prompt) / BLOCK_SIZE) + 1),
               enable_prefix_caching=False)
+    llm.wait_compiled()  # every bucket compiled before any timing
     check = SamplingParams(temperature=0.0, max_tokens=min(CHECK_TOKENS, output_len), ignore_eos=True)
     tokens = list(llm.generate([prompts[0]], check, use_tqdm=False)[0].outputs[0].token_ids)  # also a warm-up
     latency(llm, [prefill_prompt], 1)  # warm-up

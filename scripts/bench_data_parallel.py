@@ -38,6 +38,7 @@ def main() -> None:
 
     llm = LLM(args.model, progress=False, tensor_parallel_size=1, data_parallel_size=args.replicas,
               max_model_len=512, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm.wait_compiled()  # every bucket compiled before any timing
     engine: DataParallelEngine = llm.engine
     vocab = llm.model.config.vocab_size
     counter = {"n": 0}

@@ -49,6 +49,8 @@ def main():
         "prefix cache on": LLM(args.model, enable_prefix_caching=True, **options),
         "prefix cache off": LLM(args.model, enable_prefix_caching=False, **options),
     }
+    for llm in engines.values():
+        llm.wait_compiled()  # every bucket compiled before any timing
     vocab = next(iter(engines.values())).model.config.vocab_size
     rng = np.random.default_rng(0)
     prefix = rng.integers(0, vocab, args.prefix_len).tolist()

@@ -166,6 +166,7 @@ def main():
     for method in methods:
         start = time.perf_counter()
         engines[method] = LLM(args.model, speculative=spec_for(method), **options)
+        engines[method].wait_compiled()
         print(f"{method}: loaded and compiled in {time.perf_counter() - start:.1f}s", flush=True)
     tokenizer = next(iter(engines.values())).tokenizer
     prompts = {kind: build_prompts(tokenizer, kind, max_batch) for kind in kinds}

@@ -69,6 +69,7 @@ def main():
     args = parser.parse_args()
     start = time.perf_counter()
     llm = LLM(progress=False, max_model_len=512, max_num_seqs=32, max_num_batched_tokens=256)
+    llm.wait_compiled()
     print(f"engine ready in {time.perf_counter() - start:.1f} s")
     engine, compiler = llm.engine, llm.engine.grammar_compiler
 

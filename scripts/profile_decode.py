@@ -58,6 +58,7 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     llm = LLM(args.model, quantization=None if args.quantization == "none" else args.quantization, max_num_seqs=max(16, max(batch_sizes)),
               max_num_batched_tokens=max(256, max(batch_sizes)), progress=False)
+    llm.wait_compiled()
     engine, runner = llm.engine, llm.engine.runner
     config, params = llm.model.config, llm.model.params
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))

@@ -328,6 +328,7 @@ def lora_group():
     requests = [None, *loras]
 
     def run(llm):
+        llm.wait_compiled()
         for lora in loras:
             llm.engine.validate_lora("check", lora)
         logits = last_row_logits(llm, prompts, ids)

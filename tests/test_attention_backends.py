@@ -28,6 +28,7 @@ def test_pallas_interpret_engine_matches_xla():
     got = [o.outputs[0].token_ids for o in pallas.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     # Both decode-only and mixed steps ran through the kernels (compiled at warm-up, no more after).
+    pallas.wait_compiled()
     assert pallas.stats()["num_compilations"] == len(pallas.engine.runner.programs())
 
 

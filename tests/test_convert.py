@@ -17,6 +17,7 @@ import torch
 import transformers
 
 import jaxinfer
+from jaxinfer.loading.gguf_file import GGUFFile
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.convert import convert, convert_model
 from jaxinfer.errors import CheckpointError
@@ -133,12 +134,10 @@ def test_tokenizer_save_round_trips(tmp_path):
     """Tokenizer.save -> load_tokenizer for the kinds a checkpoint can carry that the model tests
     above do not: a sentencepiece vocabulary rebuilt from a GGUF (extra end-of-turn id), and
     special-token ids sentencepiece cannot name itself (no BOS; a BOS that is not a control piece)."""
-    import gguf
-
     from jaxinfer.tokenizer import load_tokenizer, tokenizer_from_gguf
     from tests.test_tokenizer import write_sp_gguf
 
-    from_gguf = tokenizer_from_gguf(gguf.GGUFReader(str(write_sp_gguf(tmp_path / "sp.gguf", SP_MODEL, eot_token_id=5))))
+    from_gguf = tokenizer_from_gguf(GGUFFile(str(write_sp_gguf(tmp_path / "sp.gguf", SP_MODEL, eot_token_id=5))))
     no_bos, plain_bos = load_tokenizer(SP_MODEL), load_tokenizer(SP_MODEL)
     no_bos.bos_token_id, plain_bos.bos_token_id = None, 500
     for i, tokenizer in enumerate((from_gguf, no_bos, plain_bos)):

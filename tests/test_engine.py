@@ -2,10 +2,13 @@
 caching and bucketed compilation, checked against one-request-at-a-time
 uncached forwards of the same model."""
 
+import threading
+
 import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.errors import RequestError
 from tests.tiny_models import make_hf_model, save_hf_model
 
@@ -63,8 +66,41 @@ def test_batched_equals_sequential(tiny_dir, workload, reference, options):
     if options.get("num_kv_blocks"):
         assert stats["num_preemptions"] > 0
     assert stats["kv_blocks_used"] == 0  # everything freed at the end
-    # Every compilation happened at warm-up, none for the workload.
-    assert stats["num_compilations"] == len(llm.engine.runner.programs())
+    # Every compilation was warm-up's, none for the workload.
+    llm.wait_compiled()
+    assert llm.stats()["num_compilations"] == len(llm.engine.runner.programs())
+
+
+def test_serves_in_compiled_buckets_while_the_rest_compile(tiny_dir, workload, reference, monkeypatch):
+    """background_compile: the engine serves as soon as each layout's largest
+    bucket is compiled, padding every step into a compiled bucket (no step
+    compiles), with the reference's tokens; the rest compile afterwards."""
+    gate = threading.Event()
+    compile_buckets = ModelRunner._compile
+
+    def held_until_gate(self, buckets, lowered, progress=False, stop=None):
+        if stop is not None:  # the background thread's call: hold it so the steps below cannot use its buckets
+            gate.wait()
+        return compile_buckets(self, buckets, lowered, progress, stop)
+
+    monkeypatch.setattr(ModelRunner, "_compile", held_until_gate)
+    llm = LLM(tiny_dir, progress=False, background_compile=True, **SMALL_ENGINE)
+    runner = llm.engine.runner
+    try:
+        compiled = llm.stats()["num_compilations"]
+        assert 0 < compiled < len(runner.programs()) and llm.stats()["num_programs_compiling"] > 0
+        assert runner.bucket(1, 1) == (8, 8, "decode")  # a single decode row padded to the largest decode bucket
+        prompts, max_tokens = workload
+        outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == reference
+        assert llm.stats()["num_compilations"] == compiled  # served without compiling
+    finally:
+        gate.set()
+    llm.wait_compiled()
+    assert llm.stats()["num_compilations"] == len(runner.programs()) and llm.stats()["num_programs_compiling"] == 0
+    assert runner.bucket(1, 1) == (1, 1, "decode")
+    outputs = llm.generate(prompts[:4], [greedy(n) for n in max_tokens[:4]], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference[:4]
 
 
 def test_seeded_sampling_independent_of_batch(tiny_dir):

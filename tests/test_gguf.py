@@ -56,6 +56,48 @@ def test_default_model_matches_transformers_gguf_loader():
     assert_logits_close(model.logits(tokens), hf_logits(hf_model, tokens))
 
 
+def reader_fields_and_tensors(path):
+    """gguf.GGUFReader's view of a file, the reference for loading/gguf_file.py."""
+    reader = gguf.GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return fields, reader.tensors
+
+
+@pytest.mark.parametrize("which", ["default model", "written"])
+def test_header_reader_equals_gguf_reader(tmp_path, which):
+    from jaxinfer.loading.checkpoint import default_model_path
+    from jaxinfer.loading.gguf_file import GGUFFile
+
+    if which == "default model":
+        path = default_model_path()
+    else:  # every plain and block tensor type we load, and metadata of every value type
+        path = tmp_path / "m.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        for key, value in {"test.bool": True, "test.f64": 0.125, "test.bools": [True, False],
+                           "test.strings": ["a", "b\u00e9"], "test.floats": [0.5, -2.0]}.items():
+            writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+        writer.add_int8("test.i8", -3)
+        writer.add_uint64("test.u64", 2**40)
+        weight = np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(32, 64)
+        writer.add_tensor("f32", weight)
+        writer.add_tensor("f16", weight.astype(np.float16))
+        writer.add_tensor("i32", np.arange(12, dtype=np.int32).reshape(3, 4))
+        for q in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1):
+            writer.add_tensor(q.name, gguf.quants.quantize(weight, q), raw_dtype=q)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    expected_fields, expected_tensors = reader_fields_and_tensors(path)
+    ours = GGUFFile(path)
+    assert ours.fields == expected_fields
+    assert [t.name for t in ours.tensors] == [t.name for t in expected_tensors]
+    for got, want in zip(ours.tensors, expected_tensors):
+        assert got.tensor_type == want.tensor_type and got.shape == tuple(int(d) for d in want.shape), got.name
+        assert got.data.dtype == want.data.dtype and got.data.shape == want.data.shape, got.name
+        np.testing.assert_array_equal(got.data, want.data)
+
+
 def test_unsupported_tensor_type_is_named(tmp_path):
     hf_model = make_hf_model("llama", seed=7)
     bad = {"blk.0.attn_norm.weight": (np.zeros(64, np.int32), Q.I32)}

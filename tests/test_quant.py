@@ -11,13 +11,13 @@ import pytest
 
 import jaxinfer
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.loading.gguf import blocks_to_quantized
+from jaxinfer.loading.gguf import blocks_to_quantized, unpermute_rows
 from jaxinfer.loading.model import Model
 from jaxinfer.quant.linear import linear
 from jaxinfer.quant.params import LINEAR_KEYS, params_nbytes, quantize_params
 from jaxinfer.quant.schemes import quantize
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize, pack_int4, unpack_int4
-from tests.gguf_writer import write_gguf
+from tests.gguf_writer import gguf_name, write_gguf
 from tests.tiny_models import assert_logits_close, make_hf_model, save_hf_model
 
 Q = gguf.GGMLQuantizationType
@@ -116,7 +116,7 @@ def test_linear_with_stacked_weight_and_plain_array():
         linear(jnp.ones((3, 32)), w)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
 def test_gguf_blocks_repack_exactly(qtype):
     """Random blocks: our repacked tensor dequantizes to gguf's own values, bit for bit."""
     rng = np.random.default_rng(4)
@@ -124,7 +124,7 @@ def test_gguf_blocks_repack_exactly(qtype):
     raw = gguf.quants.quantize(w, qtype)
     expected = gguf.quants.dequantize(raw, qtype)  # [out, in]
     qt = blocks_to_quantized(raw, qtype, 24, 96)
-    assert (qt.scheme, qt.group_size, qt.shape) == ("int8" if qtype == Q.Q8_0 else "int4", 32, (96, 24))
+    assert (qt.scheme, qt.group_size, qt.shape) == ("int4" if qtype in (Q.Q4_0, Q.Q4_1) else "int8", 32, (96, 24))
     np.testing.assert_array_equal(np.asarray(dequantize(jax.device_put(qt))), expected.T)
 
 
@@ -156,17 +156,77 @@ def test_gguf_direct_load_equals_dequantized_load(tmp_path, tiny_llama, qtype):
     assert_logits_close(direct.logits(tokens), reference.logits(tokens), rtol=1e-5)
 
 
-def test_gguf_layers_of_mixed_types_load_float(tmp_path, tiny_llama):
-    """One layer's ffn_up stored Q8_0 among Q4_1 layers: no common scheme to
-    stack, so that weight loads dequantized while the others stay quantized."""
-    up = tiny_llama.model.layers[1].mlp.up_proj.weight.detach().numpy()
-    override = {"blk.1.ffn_up.weight": (gguf.quants.quantize(up, Q.Q8_0), Q.Q8_0)}
+def test_gguf_layers_of_mixed_types(tmp_path, tiny_llama):
+    """One layer's ffn_up stored Q8_0 among Q4_1 layers: the two stack as one
+    regrouped int8 tensor holding each layer's exact values; one layer's
+    ffn_gate stored BF16 (no direct form): that weight loads dequantized."""
+    layer1 = tiny_llama.model.layers[1].mlp
+    override = {"blk.1.ffn_up.weight": (gguf.quants.quantize(layer1.up_proj.weight.detach().numpy(), Q.Q8_0), Q.Q8_0),
+                "blk.1.ffn_gate.weight": (gguf.quants.quantize(layer1.gate_proj.weight.detach().numpy(), Q.BF16),
+                                          Q.BF16)}
     path = write_gguf(tiny_llama, tmp_path / "m.gguf", Q.Q4_1, tensor_type_override=override)
     direct = jaxinfer.load(str(path), progress=False, quantization="gguf")
     reference = jaxinfer.load(str(path), progress=False, quantization=None)
-    assert not isinstance(direct.params["layers"]["w_up"], QuantizedTensor)
-    assert isinstance(direct.params["layers"]["w_gate"], QuantizedTensor)
-    np.testing.assert_array_equal(np.asarray(direct.params["layers"]["w_up"]), np.asarray(reference.params["layers"]["w_up"]))
+    up, gate = direct.params["layers"]["w_up"], direct.params["layers"]["w_gate"]
+    assert isinstance(up, QuantizedTensor) and (up.scheme, up.group_size) == ("int8", 32)
+    np.testing.assert_array_equal(np.asarray(dequantize(up)), np.asarray(reference.params["layers"]["w_up"]))
+    assert not isinstance(gate, QuantizedTensor)
+    np.testing.assert_array_equal(np.asarray(gate), np.asarray(reference.params["layers"]["w_gate"]))
+    assert isinstance(direct.params["layers"]["w_down"], QuantizedTensor)
+
+
+def random_k_blocks(rng, qtype, out_dim: int, in_dim: int) -> np.ndarray:
+    """Valid K-quant blocks of an [out, in] matrix: random codes and sub-block
+    scales, with the f16 super-block scales set to modest values (gguf has no
+    K-quant quantizer to make them from weights)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (out_dim, in_dim // block_size, type_size), dtype=np.uint8)
+    fields = [(208, 2e-4)] if qtype == Q.Q6_K else [(0, 0.003), (2, 0.002)]  # (byte offset of an f16, its size)
+    for offset, scale in fields:
+        values = rng.uniform(0.5, 1.5, raw.shape[:2]) * scale
+        raw[..., offset:offset + 2] = values.astype("<f2")[..., None].view(np.uint8)
+    return raw.reshape(out_dim, -1)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("heads", [None, 4])
+def test_gguf_k_quant_blocks_repack_exactly(qtype, heads):
+    """Random K-quant blocks, with and without the Q/K row un-permutation:
+    our tensor dequantizes to gguf's own values, bit for bit."""
+    raw = random_k_blocks(np.random.default_rng(5), qtype, 24, 512)
+    expected = gguf.quants.dequantize(raw, qtype)  # [out, in]
+    if heads:
+        expected = unpermute_rows(expected, heads)
+    qt = blocks_to_quantized(raw, qtype, 24, 512, heads)
+    assert (qt.scheme, qt.group_size) == {Q.Q4_K: ("int4", 32), Q.Q5_K: ("int8", 32), Q.Q6_K: ("int8", 16)}[qtype]
+    np.testing.assert_array_equal(np.asarray(dequantize(jax.device_put(qt))), expected.T)
+
+
+def test_gguf_k_quant_model_loads_quantized(tmp_path):
+    """A Q4_K_M-like file (Q4_K, with Q6_K for layer 1's attn_v and ffn_down
+    and Q5_K for layer 0's ffn_up): every linear weight stays quantized (the
+    mixed ones as one regrouped int8 stack), with logits equal to the
+    dequantized float load's."""
+    hf_model = make_hf_model("llama_kquant", seed=13)
+    rng = np.random.default_rng(6)
+    override = {}
+    for name, param in hf_model.state_dict().items():
+        if name.endswith("proj.weight"):
+            target = gguf_name(name)
+            qtype = {"blk.1.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K,
+                     "blk.0.ffn_up.weight": Q.Q5_K}.get(target, Q.Q4_K)
+            override[target] = (random_k_blocks(rng, qtype, *param.shape), qtype)
+    path = write_gguf(hf_model, tmp_path / "m.gguf", tensor_type_override=override)
+    direct = jaxinfer.load(str(path), progress=False, quantization="gguf")
+    reference = jaxinfer.load(str(path), progress=False, quantization=None)
+    for key in LINEAR_KEYS:
+        w = direct.params["layers"][key]
+        assert isinstance(w, QuantizedTensor), key
+        expected = {"wv": ("int8", 16), "w_down": ("int8", 16), "w_up": ("int8", 32)}.get(key, ("int4", 32))
+        assert (w.scheme, w.group_size) == expected, key
+        np.testing.assert_array_equal(np.asarray(dequantize(w)), np.asarray(reference.params["layers"][key]), key)
+    tokens = np.arange(1, 40)
+    assert_logits_close(direct.logits(tokens), reference.logits(tokens), rtol=1e-5)
 
 
 def greedy(model, prompt, steps):

@@ -43,6 +43,7 @@ def setup(tmp_path_factory):
     """(LLM with enable_lora, {served name: LoRARequest} as the CLI parses them, references)."""
     root = tmp_path_factory.mktemp("server_lora")
     llm = LLM(progress=False, enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE)
+    llm.wait_compiled()  # references and served requests then run the same bucket programs
     c = llm.model.checkpoint_config
     shaped = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,

@@ -205,6 +205,7 @@ def check_blocks_after_each_step(llm) -> None:
 @pytest.mark.parametrize("name", list(PROPOSERS))
 def test_greedy_equals_plain_decoding(name, tiny_dir, draft_dir, eagle_head, workload):
     llm = spec_llm(name, tiny_dir, draft_dir, eagle_head)
+    llm.wait_compiled()
     assert llm.stats()["num_compilations"] == expected_programs(llm)  # all at warm-up, spec programs included
     prompts, params, reference = workload
     proposals = record_proposals(llm)
@@ -274,6 +275,7 @@ def test_mixed_batch(name, plain, tiny_dir, draft_dir, eagle_head):
             else:
                 assert completion.finish_reason == "stop" and len(tokens) <= p.max_tokens
                 assert tokens[-1] in p.stop_token_ids and not set(tokens[:-1]) & set(p.stop_token_ids)
+    llm.wait_compiled()
     stats = llm.stats()
     assert stats["spec_proposed_tokens"] > before["spec_proposed_tokens"]
     assert stats["num_compilations"] == expected_programs(llm)

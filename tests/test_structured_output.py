@@ -17,6 +17,7 @@ import llguidance.numpy as llnp
 import numpy as np
 import pytest
 
+from jaxinfer.loading.gguf_file import GGUFFile
 from jaxinfer import LLM, SamplingParams, StructuredOutputsParams
 from jaxinfer.errors import RequestError
 from jaxinfer.sampling_params import InvalidSamplingParameter
@@ -235,14 +236,12 @@ def test_sentencepiece_and_gguf_vocabularies(tmp_path):
     encoding of a matching text, then allows only EOS."""
     import shutil
 
-    import gguf
-
     from jaxinfer.structured.grammar import GrammarCompiler
     from jaxinfer.tokenizer import load_tokenizer, tokenizer_from_gguf
     from tests.test_tokenizer import SMOLLM2_DIR, SMOLLM2_NAME, SP_V1
 
     shutil.copyfile(SP_V1, tmp_path / "tokenizer.model")
-    for tok in (load_tokenizer(tmp_path), tokenizer_from_gguf(gguf.GGUFReader(str(SMOLLM2_DIR / SMOLLM2_NAME)))):
+    for tok in (load_tokenizer(tmp_path), tokenizer_from_gguf(GGUFFile(str(SMOLLM2_DIR / SMOLLM2_NAME)))):
         compiler = GrammarCompiler(tok, tok.vocab_size)
         matcher = compiler.submit(StructuredOutputsParams(regex=r" ?[a-z]+ [0-9]{3}\.")).result().new_matcher()
         ids = tok.encode("hello 123.", add_special_tokens=False)

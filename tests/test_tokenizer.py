@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 from tokenizers import pre_tokenizers
 
+from jaxinfer.loading.gguf_file import GGUFFile
 from jaxinfer.tokenizer import (
     HFTokenizer,
     IncrementalDetokenizer,
@@ -77,7 +78,7 @@ few_examples = settings(max_examples=50, deadline=None, suppress_health_check=[H
 
 @pytest.fixture(scope="module")
 def smollm_reader():
-    return gguf.GGUFReader(str(SMOLLM2_DIR / SMOLLM2_NAME))
+    return GGUFFile(str(SMOLLM2_DIR / SMOLLM2_NAME))
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +168,7 @@ def write_sp_gguf(path, model_file, add_space_prefix=None, eot_token_id=None):
 @pytest.fixture(scope="module")
 def sp_gguf(tmp_path_factory):
     path = write_sp_gguf(tmp_path_factory.mktemp("gguf") / "sp.gguf", SP_V1)
-    return tokenizer_from_gguf(gguf.GGUFReader(str(path)))
+    return tokenizer_from_gguf(GGUFFile(str(path)))
 
 
 @pytest.fixture(scope="module")
@@ -356,14 +357,7 @@ def test_gguf_bpe_special_tokens(smollm, smollm_transformers):
 
 
 class _Fields:
-    """A GGUFReader stand-in: the real file's fields with some values replaced."""
-
-    class _Value:
-        def __init__(self, value):
-            self.value = value
-
-        def contents(self):
-            return self.value
+    """A GGUFFile stand-in: the real file's fields with some values replaced (None: removed)."""
 
     def __init__(self, reader, overrides):
         self.fields = dict(reader.fields)
@@ -371,7 +365,7 @@ class _Fields:
             if value is None:
                 self.fields.pop(key, None)
             else:
-                self.fields[key] = self._Value(value)
+                self.fields[key] = value
 
 
 def pre_tokens(tok, text):
@@ -452,7 +446,7 @@ def test_gguf_sentencepiece_random_text(sp_gguf, sp_reference, text):
 
 def test_gguf_sentencepiece_without_space_prefix_and_with_eot(tmp_path):
     path = write_sp_gguf(tmp_path / "nospace.gguf", SP_V1, add_space_prefix=False, eot_token_id=28705)
-    tok = tokenizer_from_gguf(gguf.GGUFReader(str(path)))
+    tok = tokenizer_from_gguf(GGUFFile(str(path)))
     proto = sp_pb2.ModelProto.FromString(open(SP_V1, "rb").read())
     proto.normalizer_spec.add_dummy_prefix = False
     reference = sentencepiece.SentencePieceProcessor(model_proto=proto.SerializeToString())

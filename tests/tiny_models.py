@@ -44,6 +44,8 @@ VARIANTS = {
     # to 8 devices, 2 KV heads (split at TP 2, replicated at TP 4 and 8),
     # head_dim 16: the smallest the Pallas kernels take.
     "llama_tp": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
+    # GGUF K-quants (tests/test_quant.py): every linear's input width a multiple of their 256-weight blocks
+    "llama_kquant": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=256, intermediate_size=256)),
     # biases on q/k/v (repeated with the KV heads) and tied embeddings
     "qwen2_tp": ("Qwen2Config", "Qwen2ForCausalLM",
                  dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)),

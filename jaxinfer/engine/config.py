@@ -42,6 +42,10 @@ class EngineConfig:
     # Structured outputs: seconds a request waits for its grammar to compile
     # before it fails (the compile runs on a worker thread, off the step path).
     structured_outputs_compile_timeout: float = 10.0
+    # Serve once the largest bucket of each layout is compiled and compile the
+    # rest on a thread (engine/runner.py warmup); False compiles all first.
+    # Always False across processes: lockstep hosts must pick the same buckets.
+    background_compile: bool = True
     # LoRA (lora/): serve PEFT adapters, up to max_loras distinct ones in a
     # step, each of rank <= max_lora_rank (vLLM's names and defaults).
     enable_lora: bool = False

@@ -43,7 +43,7 @@ def outstanding_steps(engine) -> float:
 
 class DataParallelEngine:
     """The LLMEngine interface LLM uses (validate, add_request, step, abort,
-    has_unfinished, stats) over replicas; `replica_of` maps request ids to the
+    has_unfinished, stats, wait_compiled) over replicas; `replica_of` maps request ids to the
     replica index serving them."""
 
     def __init__(self, replicas: list):
@@ -97,6 +97,10 @@ class DataParallelEngine:
             if output.finished:
                 self.replica_of.pop(output.request_id, None)
         return results
+
+    def wait_compiled(self) -> None:
+        for replica in self.replicas:
+            replica.wait_compiled()
 
     def stats(self) -> dict:
         per_replica = [r.stats() for r in self.replicas]

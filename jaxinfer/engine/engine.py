@@ -83,7 +83,7 @@ class LLMEngine:
             config.max_num_batched_tokens, config.attention_backend, config.num_speculative_tokens,
             with_features=self.proposer.needs_features, mesh=model.mesh, lora=self.lora,
         )
-        self.runner.warmup(progress)
+        self.runner.warmup(progress, background=config.background_compile and jax.process_count() == 1)
         self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.tokenizer,
                                                 config.max_model_len)
         self.requests: dict[str, RequestState] = {}
@@ -300,6 +300,11 @@ class LLMEngine:
         return prompt, generate
 
     # -- introspection -------------------------------------------------------
+    def wait_compiled(self) -> None:
+        """Block until every program is compiled (a background warm-up's rest
+        included): benchmarks call it so that no compilation shares their clock."""
+        self.runner.wait_compiled()
+
     def num_requests(self) -> tuple[int, int]:
         """(running, waiting) requests: a request runs while any of its
         sequences holds a slot in the batch (vLLM's num_requests_running)."""
@@ -314,6 +319,8 @@ class LLMEngine:
             "num_requests_running": running,
             "num_requests_waiting": waiting,
             "num_compilations": self.runner.num_compilations + self.proposer.num_compilations,
+            # Programs a background warm-up has yet to compile (0 once done).
+            "num_programs_compiling": len(self.runner.programs()) - len(self.runner.compiled_programs),
             "kv_blocks_total": bm.num_usable_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "prefix_cache_hits": bm.prefix_cache_hits,

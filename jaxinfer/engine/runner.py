@@ -14,8 +14,11 @@ warm-up is counted and logged as an error.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
 import time
+import weakref
 from typing import NamedTuple
 
 import jax
@@ -85,6 +88,12 @@ class ModelRunner:
         # Padding one decode token to 16 would multiply a memory-bound step's compute by 16.
         self.decode_buckets = powers_of_two(1, max_num_seqs)
         self.compiled_programs: set = set()
+        # program -> its compiled executable (warmup, _run); the buckets whose
+        # programs are all compiled; the thread compiling the others, if any.
+        self._executables: dict = {}
+        self._ready: frozenset = frozenset()
+        self._background: _BackgroundCompile | None = None
+        self._lock = threading.Lock()
         self.warmed_up = False
         self.num_compilations = 0
         self.device_time = 0.0  # seconds from dispatching a step to its outputs on the host
@@ -104,55 +113,131 @@ class ModelRunner:
         k = self.num_speculative_tokens
         return buckets + [(n * (1 + k), n, "verify") for n in self.decode_buckets if k]
 
+    def bucket_programs(self, bucket: tuple[int, int, str]) -> list[tuple]:
+        """The programs a step in `bucket` runs: its forward and, with sampling,
+        the sampler of its seqs size, plain and full (programs.py), and
+        acceptance for a verify bucket."""
+        _, num_seqs, layout = bucket
+        programs = [("forward", *bucket)]
+        if self.sampling:
+            programs += [("sample", num_seqs, False), ("sample", num_seqs, True)]
+            if layout == "verify":
+                programs.append(("verify", num_seqs, self.num_speculative_tokens))
+        return programs
+
     def programs(self) -> list[tuple]:
-        """Every program warm-up compiles: the forward per bucket, the sampler
-        per seqs bucket, plain or full (programs.py), and acceptance per decode bucket."""
-        programs = [("forward", *bucket) for bucket in self.buckets()]
-        if not self.sampling:
-            return programs
-        seq_sizes = sorted({s for _, s, _ in self.buckets()})
-        programs += [("sample", s, full) for s in seq_sizes for full in (False, True)]
-        k = self.num_speculative_tokens
-        return programs + [("verify", n, k) for n in self.decode_buckets if k]
+        """Every program warm-up compiles."""
+        return list(dict.fromkeys(p for bucket in self.buckets() for p in self.bucket_programs(bucket)))
 
     def bucket(self, num_tokens: int, num_seqs: int, verify: bool = False) -> tuple[int, int, str]:
         if verify:
             n = bucket_size(num_seqs, 1)
-            return n * (1 + self.num_speculative_tokens), n, "verify"
-        if num_tokens == num_seqs:
+            bucket = (n * (1 + self.num_speculative_tokens), n, "verify")
+        elif num_tokens == num_seqs:
             n = bucket_size(num_seqs, 1)
-            return n, n, "decode"
-        return bucket_size(num_tokens, 16), bucket_size(num_seqs, 8), "mixed"
+            bucket = (n, n, "decode")
+        else:
+            bucket = (bucket_size(num_tokens, 16), bucket_size(num_seqs, 8), "mixed")
+        if bucket in self._ready:
+            return bucket
+        # Its programs are still compiling in the background (warmup): the
+        # smallest ready bucket of the layout that holds the step (padding
+        # rows and sequences are inert), at worst the largest, ready first.
+        return min((b for b in self._ready if b[2] == bucket[2] and b[0] >= bucket[0] and b[1] >= bucket[1]),
+                   default=bucket)
 
-    def warmup(self, progress: bool = True) -> None:
-        vocab = self.config.vocab_size
-        for program in tqdm(self.programs(), desc="compiling", unit="program", disable=not progress, leave=False):
-            kind, num_seqs = program[0], program[2] if program[0] == "forward" else program[1]
-            sampling = SamplingMetadata.from_params([None] * num_seqs, [0] * num_seqs, [0] * num_seqs, num_seqs)
-            if kind == "forward":
-                _, num_tokens, _, layout = program
-                inputs = build_inputs([], [], [], [], num_tokens=num_tokens, num_seqs=num_seqs, layout=layout,
-                                      block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
-                                      seq_lora_slots=None if self.lora is None else [])
-                jax.block_until_ready(self.forward(inputs))
-            elif kind == "sample":
-                full = program[2]
-                penalties = make_penalty_inputs([], [], vocab, num_seqs) if full else None
-                logits = self._put(np.zeros((num_seqs, vocab), np.float32))
-                jax.block_until_ready(self._sample(logits, sampling, penalties, full, self._no_mask(num_seqs)))
-            else:
-                k = program[2]
-                logits = self._put(np.zeros((num_seqs * (1 + k), vocab), np.float32))
-                drafts, num_drafts = np.zeros((num_seqs, k), np.int32), np.zeros(num_seqs, np.int32)
-                jax.block_until_ready(self._verify(logits, drafts, num_drafts, sampling))
+    def warmup(self, progress: bool = True, background: bool = False) -> None:
+        """Compile every program of programs(), running none: the executables
+        are kept and called directly (_run). (Warm-up used to run each program
+        once; that only cost time.)
+
+        The largest bucket of each layout compiles first: any step fits in it,
+        so the runner can serve as soon as those are ready. With background,
+        the other buckets then compile on a thread while the engine serves, the
+        smallest first; until a step's own bucket is ready, bucket() pads the
+        step into a ready one, so no step ever waits for a compilation. That
+        took the default model's start on the 2-core CPU from ~19 s to
+        BENCHMARKS.md's figure. (Compiling two programs at once gained
+        nothing there: XLA:CPU already spreads one compilation over the cores.)
+
+        Every program is traced and lowered here, on the calling thread, and
+        only XLA's compilation of the lowered modules runs on the other. JAX
+        calls its thread support limited, and a first version that also
+        lowered on the background thread failed now and then inside JAX's
+        lowering (a KeyError on a jaxpr variable) while the engine served;
+        compilation is XLA's C++ alone. Lowering all 25 programs of the default
+        engine costs ~2 s of the start (BENCHMARKS.md, "Cold start")."""
+        buckets = self.buckets()
+        layouts = dict.fromkeys(layout for _, _, layout in buckets)
+        first = [max(b for b in buckets if b[2] == layout) for layout in layouts]
+        rest = sorted((b for b in buckets if b not in first), key=lambda b: b[:2])
+        lowered = {p: self._lower(p, *self._warmup_call(p))
+                   for p in tqdm(self.programs(), desc="lowering", unit="program", disable=not progress, leave=False)}
+        self._compile(first, lowered, progress)
         self.warmed_up = True
+        if background and rest:
+            self._background = _BackgroundCompile(self, rest, lowered)
+        else:
+            self._compile(rest, lowered, progress)
 
-    def _count(self, program: tuple) -> None:
-        if program not in self.compiled_programs:
+    def wait_compiled(self) -> None:
+        """Block until a background warm-up has compiled every program."""
+        if self._background is not None:
+            self._background.join()
+
+    def _compile(self, buckets: list[tuple], lowered: dict, progress: bool = False,
+                 stop: threading.Event | None = None) -> None:
+        for bucket in tqdm(buckets, desc="compiling", unit="bucket", disable=not progress, leave=False):
+            for program in self.bucket_programs(bucket):
+                if program not in self._executables:
+                    self._add_executable(program, lowered[program].compile())
+            self._ready = self._ready | {bucket}  # rebound, never mutated: bucket() reads it from another thread
+            if stop is not None and stop.is_set():
+                return
+
+    @staticmethod
+    def _lower(program: tuple, fn, args: tuple, statics: dict):
+        # Lowered from shapes alone: the compiling thread must not hold the
+        # buffers (the KV pool is donated, so deleted, at every step).
+        return fn.lower(*jax.tree.map(_shape_of, args), **statics)
+
+    def _add_executable(self, program: tuple, executable):
+        with self._lock:
+            self._executables[program] = executable
             self.compiled_programs.add(program)
             self.num_compilations += 1
+        return executable
+
+    def _warmup_call(self, program: tuple):
+        """(jitted program, placeholder arguments of the program's shapes, static arguments)."""
+        kind, num_seqs = program[0], program[2] if program[0] == "forward" else program[1]
+        sampling = SamplingMetadata.from_params([None] * num_seqs, [0] * num_seqs, [0] * num_seqs, num_seqs)
+        vocab = self.config.vocab_size
+        if kind == "forward":
+            _, num_tokens, _, layout = program
+            inputs = build_inputs([], [], [], [], num_tokens=num_tokens, num_seqs=num_seqs, layout=layout,
+                                  block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
+                                  seq_lora_slots=None if self.lora is None else [])
+            return self._forward_call(inputs)
+        if kind == "sample":
+            full = program[2]
+            penalties = make_penalty_inputs([], [], vocab, num_seqs) if full else None
+            logits = self._put(np.zeros((num_seqs, vocab), np.float32))
+            return self._sample_call(logits, sampling, penalties, full, self._no_mask(num_seqs))
+        k = program[2]
+        logits = self._put(np.zeros((num_seqs * (1 + k), vocab), np.float32))
+        drafts, num_drafts = np.zeros((num_seqs, k), np.int32), np.zeros(num_seqs, np.int32)
+        return self._verify_call(logits, drafts, num_drafts, sampling)
+
+    def _run(self, program: tuple, fn, args: tuple, statics: dict):
+        """Run `program`'s executable. One missing after warm-up is a shape that
+        escaped bucketing: it is compiled here, counted and logged as an error."""
+        executable = self._executables.get(program)
+        if executable is None:
             if self.warmed_up:
                 log.error("compilation after warm-up of %s: a shape escaped bucketing", program)
+            executable = self._add_executable(program, self._lower(program, fn, args, statics).compile())
+        return executable(*args)
 
     def _put(self, tree):
         """Host inputs: as they are on one device (jit transfers them), replicated on a mesh."""
@@ -174,17 +259,18 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs):
         """-> (logits at inputs.logits_indices, pre-norm hidden of every row), on the device."""
-        num_seqs = len(inputs.attn_meta.context_lens)
-        self._count(("forward", len(inputs.tokens), num_seqs, inputs.layout))
+        program = ("forward", len(inputs.tokens), len(inputs.attn_meta.context_lens), inputs.layout)
+        logits, features, self.kv_cache = self._run(program, *self._forward_call(inputs))
+        return logits, features
+
+    def _forward_call(self, inputs: StepInputs):
         tokens, meta, logits_indices, lora_slots = self._put((*inputs[:3], inputs.lora_slots))
         params = self.params
-        if self.lora is not None:  # the slots' buffers as they are now (loads replace them)
+        if self.lora is not None:  # the slots' buffers as they are now (loads replace them, same shapes)
             params = {**params, "layers": {**params["layers"], "lora": self.lora.buffers}}
-        logits, features, self.kv_cache = forward_step(
-            params, self.kv_cache, tokens, meta, logits_indices, lora_slots, config=self.config,
-            backend=self.attention_backend, layout=inputs.layout, with_features=self.with_features, mesh=self.mesh,
-        )
-        return logits, features
+        statics = dict(config=self.config, backend=self.attention_backend, layout=inputs.layout,
+                       with_features=self.with_features, mesh=self.mesh)
+        return forward_step, (params, self.kv_cache, tokens, meta, logits_indices, lora_slots), statics
 
     def _no_mask(self, num_seqs: int) -> tuple:
         if num_seqs not in self._no_masks:
@@ -211,14 +297,20 @@ class ModelRunner:
         return self._put((bitmask, constrained))
 
     def _sample(self, logits, sampling, penalties, full: bool, masks: tuple):
-        self._count(("sample", logits.shape[0], full))
+        return self._run(("sample", logits.shape[0], full), *self._sample_call(logits, sampling, penalties, full,
+                                                                                masks))
+
+    def _sample_call(self, logits, sampling, penalties, full: bool, masks: tuple):
         sampling, penalties = self._put((sampling, penalties))
-        return sample_step(logits, sampling, penalties, *masks, full=full, mesh=self.mesh)
+        return sample_step, (logits, sampling, penalties, *masks), dict(full=full, mesh=self.mesh)
 
     def _verify(self, logits, drafts, num_drafts, sampling):
-        self._count(("verify", drafts.shape[0], drafts.shape[1]))
+        return self._run(("verify", drafts.shape[0], drafts.shape[1]),
+                         *self._verify_call(logits, drafts, num_drafts, sampling))
+
+    def _verify_call(self, logits, drafts, num_drafts, sampling):
         drafts, num_drafts, sampling = self._put((drafts, num_drafts, sampling))
-        return verify_step(logits, drafts, num_drafts, sampling, mesh=self.mesh)
+        return verify_step, (logits, drafts, num_drafts, sampling), dict(mesh=self.mesh)
 
     # -- one engine step -----------------------------------------------------
     def run(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepOutput:
@@ -269,3 +361,41 @@ class ModelRunner:
     def _penalty_inputs(self, seqs: list[Sequence], num_seqs: int):
         return make_penalty_inputs([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
                                    self.config.vocab_size, num_seqs)
+
+
+def _shape_of(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+
+
+class _BackgroundCompile:
+    """A daemon thread compiling a runner's remaining buckets. At interpreter
+    exit it is told to stop after its current bucket and joined: a thread
+    left inside XLA while the process tears down can crash the exit."""
+
+    _running: weakref.WeakSet = weakref.WeakSet()
+
+    def __init__(self, runner: ModelRunner, buckets: list[tuple], lowered: dict):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, args=(runner, buckets, lowered), name="jaxinfer-compile",
+                                        daemon=True)
+        _BackgroundCompile._running.add(self)
+        self._thread.start()
+
+    def _main(self, runner: ModelRunner, buckets: list[tuple], lowered: dict) -> None:
+        try:
+            runner._compile(buckets, lowered, stop=self._stop)
+        except Exception:  # the largest buckets still serve every step
+            log.exception("background compilation failed; steps keep running in the buckets compiled so far")
+
+    def join(self) -> None:
+        self._thread.join()
+
+    @classmethod
+    def stop_all(cls) -> None:
+        for job in list(cls._running):
+            job._stop.set()
+        for job in list(cls._running):
+            job.join()
+
+
+atexit.register(_BackgroundCompile.stop_all)

@@ -1,11 +1,11 @@
-"""GGUF files (llama.cpp's format) via the `gguf` package.
+"""GGUF checkpoints (llama.cpp's format), read with loading/gguf_file.py.
 
 Config comes from the file's metadata, tensors are renamed to HF names and
 dequantized to float one at a time on request, and llama.cpp's Q/K row
 permutation is undone for the "llama" architecture so the HF rotary pairing in
-models/layers.py applies. Q8_0 / Q4_0 / Q4_1 weights can instead be read
-straight into a QuantizedTensor (`get_quantized`), repacking the block bytes
-with integer operations only, so the values stay exactly the file's.
+models/layers.py applies. Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights can instead
+be read straight into a QuantizedTensor (`get_quantized`), repacking the block
+codes and scales so that the values stay exactly the file's.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
+from jaxinfer.loading.gguf_file import GGUFFile
 from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
 
 # GGUF `general.architecture` -> ours. Mistral GGUFs say "llama".
@@ -29,8 +30,10 @@ SUPPORTED_TENSOR_TYPES = frozenset(
     [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 )
 
-# Block types that map onto a QuantizedTensor scheme without loss (32-row groups).
-DIRECT_TYPES = {Q.Q8_0: "int8", Q.Q4_0: "int4", Q.Q4_1: "int4"}
+# Block types that map onto a QuantizedTensor without loss: (scheme, rows per scale).
+# The 5- and 6-bit codes fit int8 (with offsets for Q5_1 / Q5_K's minimums).
+DIRECT_TYPES = {Q.Q8_0: ("int8", 32), Q.Q4_0: ("int4", 32), Q.Q4_1: ("int4", 32), Q.Q5_0: ("int8", 32),
+                Q.Q5_1: ("int8", 32), Q.Q4_K: ("int4", 32), Q.Q5_K: ("int8", 32), Q.Q6_K: ("int8", 16)}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -84,25 +87,40 @@ def _f16(two_bytes: np.ndarray) -> np.ndarray:
 def blocks_to_quantized(raw: np.ndarray, qtype, out_dim: int, in_dim: int, unpermute_heads: int | None = None):
     """Raw GGUF blocks of an [out, in] matrix -> QuantizedTensor [in, out] (numpy leaves).
 
-    Block layouts (ggml-common.h; 32 weights of one row per block):
-      Q8_0  f16 d, int8 q[32]                       w = d * q
-      Q4_0  f16 d, uint8 qs[16]                     w = d * (q - 8)
-      Q4_1  f16 d, f16 m, uint8 qs[16]              w = d * q + m
-    where byte j of qs holds element j in its low nibble and element j + 16 in
-    its high nibble. Our int4 instead pairs rows 2i / 2i + 1 in one byte, so the
-    nibbles are unpacked and repacked. Q4_0's offset -8 * d and every product
-    q * d are exact in float32, so dequantize() reproduces gguf's values bit for bit.
+    Block layouts (ggml-common.h; one block covers consecutive weights of one row):
+      Q8_0  32 weights: f16 d, int8 q[32]                w = d * q
+      Q4_0  32 weights: f16 d, uint8 qs[16]              w = d * (q - 8)
+      Q4_1  32 weights: f16 d, f16 m, uint8 qs[16]       w = d * q + m
+      Q5_0  32 weights: f16 d, 5-bit q                   w = d * (q - 16)
+      Q5_1  32 weights: f16 d, f16 m, 5-bit q            w = d * q + m
+      Q4_K  256 weights in 8 groups of 32: f16 d, f16 dmin, 6-bit sc[8] and m[8],
+      Q5_K  4-bit (Q5_K: 5-bit) q                        w = (d * sc) * q - dmin * m
+      Q6_K  256 weights in 16 groups of 16: 6-bit q, int8 sc[16], f16 d
+                                                         w = (d * sc) * (q - 32)
+    For Q4_0 / Q4_1, byte j of qs holds element j in its low nibble and element
+    j + 16 in its high nibble; our int4 instead pairs rows 2i / 2i + 1 in one
+    byte, so the nibbles are unpacked and repacked. The other types' codes are
+    read by the `gguf` package itself (_codes). Every scale is an exact float32
+    product (f16 times an integer of at most 8 bits), and each type's
+    arithmetic is dequantize()'s (q * scale, plus the offset), so dequantize()
+    reproduces gguf's values bit for bit.
     """
     qtype = gguf.GGMLQuantizationType(qtype)
     if qtype not in DIRECT_TYPES:
         raise ValueError(f"GGUF type {qtype.name} has no direct QuantizedTensor form")
+    scheme, group_size = DIRECT_TYPES[qtype]
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = np.asarray(raw, np.uint8).reshape(out_dim, in_dim // block_size, type_size)
-    scales = _f16(blocks[..., 0:2])  # [out, in / 32]
     offsets = None
-    if qtype == Q.Q8_0:
+    if qtype in _UNIT_SCALES:
+        q, scales, offsets = _codes(blocks, qtype)
+        q, scales = q.reshape(out_dim, in_dim), scales.reshape(out_dim, in_dim // group_size)
+        offsets = None if offsets is None else offsets.reshape(scales.shape)
+    elif qtype == Q.Q8_0:
+        scales = _f16(blocks[..., 0:2])  # [out, in / 32]
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(out_dim, in_dim)
     else:
+        scales = _f16(blocks[..., 0:2])
         qs = blocks[..., 4:] if qtype == Q.Q4_1 else blocks[..., 2:]
         offsets = _f16(blocks[..., 2:4]) if qtype == Q.Q4_1 else -8.0 * scales
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out_dim, in_dim)
@@ -110,18 +128,54 @@ def blocks_to_quantized(raw: np.ndarray, qtype, out_dim: int, in_dim: int, unper
         q, scales = unpermute_rows(q, unpermute_heads), unpermute_rows(scales, unpermute_heads)
         offsets = None if offsets is None else unpermute_rows(offsets, unpermute_heads)
     q = np.ascontiguousarray(q.T)
-    data = q if qtype == Q.Q8_0 else pack_int4(q)
+    data = q if scheme == "int8" else pack_int4(q)
     scales = np.ascontiguousarray(scales.T)
     offsets = None if offsets is None else np.ascontiguousarray(offsets.T)
-    return QuantizedTensor(data, scales, offsets, DIRECT_TYPES[qtype], block_size)
+    return QuantizedTensor(data, scales, offsets, scheme, group_size)
 
 
-def read_field(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+# Per type: (byte offset of the f16 d, of the f16 minimum or None, of the
+# sub-block scale bytes or None, those bytes set so that every sub-block's
+# scale is 1 and minimum 0). Q4_K / Q5_K pack 6-bit sc[8] and m[8] in 12 bytes.
+_K_UNIT = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)
+_UNIT_SCALES = {Q.Q5_0: (0, None, None, None), Q.Q5_1: (0, 2, None, None),
+                Q.Q4_K: (0, 2, 4, _K_UNIT), Q.Q5_K: (0, 2, 4, _K_UNIT), Q.Q6_K: (208, None, 192, np.ones(16, np.uint8))}
+_F16_ONE = np.array([1.0], "<f2").view(np.uint8)
 
 
-def config_from_gguf(reader: gguf.GGUFReader, path) -> ModelConfig:
+def _codes(blocks: np.ndarray, qtype):
+    """[..., n, bytes] blocks of a _UNIT_SCALES type -> (integer codes [..., n *
+    block size], scales [..., n * groups], offsets or None), float32 scales.
+
+    The codes come from gguf's own dequantizer run on a copy of the blocks
+    whose d is 1, minimum 0 and sub-block scales 1: the bit layout stays the
+    library's, and its output is the integers exactly (Q5_0 and Q6_K include
+    their -16 / -32 there)."""
+    d_at, min_at, sub_at, unit = _UNIT_SCALES[qtype]
+    unit_blocks = blocks.copy()
+    unit_blocks[..., d_at:d_at + 2] = _F16_ONE
+    if min_at is not None:
+        unit_blocks[..., min_at:min_at + 2] = 0
+    if sub_at is not None:
+        unit_blocks[..., sub_at:sub_at + unit.size] = unit
+    codes = gguf.quants.dequantize(unit_blocks, qtype)
+    codes = codes.astype(np.uint8 if qtype == Q.Q4_K else np.int8)  # Q4_K goes to int4: 0..15
+    d = _f16(blocks[..., d_at:d_at + 2])[..., None]  # [..., n, 1]
+    minimum = None if min_at is None else _f16(blocks[..., min_at:min_at + 2])[..., None]
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+        shape = (*blocks.shape[:-1], 8)
+        return codes, d * sc.reshape(shape).astype(np.float32), -(minimum * m.reshape(shape).astype(np.float32))
+    if qtype == Q.Q6_K:
+        return codes, d * np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32), None
+    return codes, d, minimum
+
+
+def read_field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
+
+
+def config_from_gguf(reader: GGUFFile, path) -> ModelConfig:
     arch = read_field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedModelError(
@@ -148,7 +202,7 @@ def config_from_gguf(reader: gguf.GGUFReader, path) -> ModelConfig:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = read_field(reader, f"{arch}.vocab_size") or (
-        len(tokens.data) if tokens is not None else int(embed.shape[-1]) if embed is not None else None
+        len(tokens) if tokens is not None else int(embed.shape[-1]) if embed is not None else None
     )
     sliding_window = read_field(reader, f"{arch}.attention.sliding_window")
     return ModelConfig(
@@ -174,7 +228,7 @@ def config_from_gguf(reader: gguf.GGUFReader, path) -> ModelConfig:
 class GGUFTensors:
     """TensorSource over a GGUF file: HF names, dequantized float32, HF row order."""
 
-    def __init__(self, reader: gguf.GGUFReader, config: ModelConfig, path):
+    def __init__(self, reader: GGUFFile, config: ModelConfig, path):
         self.description = str(path)
         self._config = config
         self._unpermute = read_field(reader, "general.architecture") == "llama"
@@ -223,8 +277,8 @@ def open_gguf(path: str | Path):
     if not path.is_file():
         raise CheckpointError(f"GGUF file {path} not found")
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad bytes
+        reader = GGUFFile(path)
+    except Exception as e:  # ValueError, struct.error or UnicodeDecodeError on bad bytes
         raise CheckpointError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
     config = config_from_gguf(reader, path)
     return config, GGUFTensors(reader, config, path), reader

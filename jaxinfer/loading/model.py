@@ -103,8 +103,9 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
 
     quantization: "auto" (choose_quantization: a GGUF's own blocks on CPU,
     otherwise as stored), None (float weights; GGUF blocks dequantized), "gguf" (keep
-    a GGUF file's Q8_0 / Q4_0 / Q4_1 linear weights quantized as int8 / int4
-    with 32-row groups, other types dequantized), or "int8" | "int4" | "fp8"
+    a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K linear
+    weights quantized as int8 / int4 in the file's groups, other types
+    dequantized), or "int8" | "int4" | "fp8"
     (round-to-nearest of the float32 linear weights at load time: int8 / fp8
     per output channel, int4 in groups of 128 rows or fewer, see
     quant/params.py; the embedding, head and norms stay float), or "w8a8"

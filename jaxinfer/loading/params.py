@@ -9,7 +9,7 @@ host memory never holds more than one tensor.
 
 Linear weights may come out as QuantizedTensors (quant/tensor.py), stacked
 per layer like arrays: `quantization="gguf"` keeps a GGUF file's Q8_0 / Q4_0 /
-Q4_1 blocks (sources offering `get_quantized`; the head only off CPU), and "int8" | "int4" | "fp8" |
+Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (sources offering `get_quantized`; the head only off CPU), and "int8" | "int4" | "fp8" |
 "w8a8" quantize each float32 weight as it is read (round to nearest, as
 quant/params.py's quantize_params; the head stays float except for the
 HEAD_SCHEMES, where it is quantized too and a tied model keeps no float
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from typing import Protocol
 
 import jax
@@ -41,7 +42,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.llama import param_shapes
 from jaxinfer.quant.params import HEAD_SCHEMES, LINEAR_KEYS, quantize_weight
-from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
+from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor, as_int8_groups
 
 log = logging.getLogger(__name__)
 
@@ -272,9 +273,17 @@ def build_params(
             per_layer = [_read_quantized(source, name, shape[1:], quantization, placement, f"layers/{key}")
                          for name in names]
             kinds = {None if w is None else _kind(w) for w in per_layer}
+            if len(kinds) > 1 and None not in kinds and placement is None:
+                # Layers in different block types (a Q4_K_M file stores some
+                # layers' ffn_down and attn_v as Q6_K, the others as Q4_K): one
+                # stacked form that holds each exactly, int8 codes in groups small
+                # enough for every layer's scales.
+                group_size = math.gcd(*(w.group_size for w in per_layer))
+                per_layer = [as_int8_groups(w, group_size) for w in per_layer]
+                kinds = {_kind(w) for w in per_layer}
             if len(kinds) != 1 or None in kinds:
-                # Layers stored in different block types cannot share one stacked
-                # QuantizedTensor; this weight goes float for all layers.
+                # Some layer's type has no direct form (or, on a mesh, the layers
+                # mix types): this weight goes float for all layers.
                 if kinds != {None}:
                     log.warning("%s: layers mix GGUF types; loading %s dequantized", source.description, key)
                 per_layer = None

@@ -6,16 +6,18 @@ Logical value: a matrix [..., in, out] (our params store linear weights
 layers). Quantization groups run along `in`, `group_size` rows per scale:
 
     value[..., i, o] = q[..., i, o] * scales[..., i // group_size, o]
-                       (+ offsets[..., i // group_size, o]   for int4)
+                       (+ offsets[..., i // group_size, o]   where offsets is not None)
 
 scheme  data                                          q                       scales / offsets
 int8    int8 [..., in, out]                           data                    symmetric; per channel
                                                                               (group_size = in) or grouped
-                                                                              (GGUF Q8_0: 32)
+                                                                              (GGUF Q8_0: 32, Q6_K: 16);
+                                                                              offsets only from
+                                                                              as_int8_groups
 int4    uint8 [..., in // 2, out]: row 2j in the      0..15                   scales and offsets (the zero
         low nibble of byte j, row 2j + 1 in the                               point folded in: offset =
         high nibble                                                           -zero * scale; GGUF Q4_0:
-                                                                              -8 * d, Q4_1: m)
+                                                                              -8 * d, Q4_1: m, Q4_K: -dmin*m)
 fp8     float8_e4m3fn [..., in, out]                  data                    symmetric, per channel
 w8a8    int8 [..., in, out], stored as int8 per       data                    symmetric, per channel
         channel; what differs is how it multiplies:
@@ -24,7 +26,7 @@ w8a8    int8 [..., in, out], stored as int8 per       data                    sy
         x @ w is not the float product (opt-in)
 
 scales and offsets are float32 [..., in // group_size, out]; offsets is None
-except for int4. `scheme` and `group_size` are static (pytree metadata).
+except for int4 and regrouped int8. `scheme` and `group_size` are static (pytree metadata).
 """
 
 from __future__ import annotations
@@ -77,6 +79,21 @@ def pack_int4(values: jax.Array) -> jax.Array:
     """uint8 [..., in, out] with values 0..15 (in even) -> uint8 [..., in // 2, out]."""
     values = values.astype(jnp.uint8)
     return values[..., 0::2, :] | (values[..., 1::2, :] << 4)
+
+
+def as_int8_groups(w: QuantizedTensor, group_size: int) -> QuantizedTensor:
+    """The same values as an int8 QuantizedTensor with offsets and `group_size`
+    rows per scale (a divisor of w's): int4 codes 0..15 fit int8, and each
+    scale and offset is repeated over the smaller groups, so every element is
+    the same q * scale (+ offset) as before. Lets layers stored in different
+    GGUF block types stack into one tensor."""
+    if w.scheme not in ("int8", "int4") or w.group_size % group_size:
+        raise ValueError(f"cannot regroup a {w.scheme} tensor of {w.group_size}-row groups into {group_size}-row ones")
+    repeat = w.group_size // group_size
+    data = unpack_int4(w.data).astype(jnp.int8) if w.scheme == "int4" else w.data
+    scales = jnp.repeat(w.scales, repeat, axis=-2)
+    offsets = jnp.zeros_like(scales) if w.offsets is None else jnp.repeat(w.offsets, repeat, axis=-2)
+    return QuantizedTensor(data, scales, offsets, "int8", group_size)
 
 
 def dequantize(w: QuantizedTensor, dtype=jnp.float32) -> jax.Array:
