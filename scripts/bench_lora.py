@@ -111,6 +111,8 @@ def bench_steps(args) -> dict:
 
     base = LLM(progress=False, **ENGINE)
     lora = LLM(progress=False, enable_lora=True, max_loras=4, max_lora_rank=16, **ENGINE)
+    for llm in (base, lora):  # every bucket compiled: no step pads into a larger one meanwhile
+        llm.wait_compiled()
     config = lora.model.checkpoint_config
     slots = lora.engine.lora
     with tempfile.TemporaryDirectory() as tmp:
