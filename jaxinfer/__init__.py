@@ -2,7 +2,7 @@
 
 Public API::
 
-    from jaxinfer import LLM, SamplingParams, StructuredOutputsParams, load
+    from jaxinfer import LLM, LoRARequest, SamplingParams, StructuredOutputsParams, load
 
 Names are resolved lazily so that `import jaxinfer` (and the CLI's `--help`)
 does not pay for importing JAX.
@@ -23,6 +23,7 @@ _EXPORTS = {
     "CompletionOutput": "jaxinfer.outputs",
     "Logprob": "jaxinfer.outputs",
     "ModelConfig": "jaxinfer.config",
+    "LoRARequest": "jaxinfer.lora.request",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -50,6 +50,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding (draft_model: the target itself as its draft; "
                              "eagle: the draft head shipped for the default model)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    lora = parser.add_argument_group("LoRA adapters (README.md, LoRA adapters)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters (implied by "
+                      "--lora-modules)")
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="distinct adapters in one step (default: the number of --lora-modules, else 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served")
 
 
 def _engine_options(args) -> dict:
@@ -59,7 +65,29 @@ def _engine_options(args) -> dict:
     if args.speculative_method:
         options["speculative"] = {"method": args.speculative_method,
                                   "num_speculative_tokens": args.num_speculative_tokens}
+    modules = getattr(args, "lora_modules", None) or []
+    if args.enable_lora or modules:
+        # Every listed adapter gets a slot by default, so that requests for
+        # different adapters share steps instead of waiting for a slot.
+        options.update(enable_lora=True, max_loras=args.max_loras or max(1, len(modules)),
+                       max_lora_rank=args.max_lora_rank)
     return options
+
+
+def parse_lora_modules(items) -> dict:
+    """--lora-modules NAME=PATH ... -> {NAME: LoRARequest}, lora_int_id 1, 2, ...
+    in the order given; ValueError for a malformed or repeated NAME."""
+    from jaxinfer.lora.request import LoRARequest
+
+    modules = {}
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: expected NAME=PATH, got {item!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules: {name!r} is given twice")
+        modules[name] = LoRARequest(name, len(modules) + 1, path)
+    return modules
 
 
 def _parallel_options(args) -> dict:
@@ -137,6 +165,7 @@ def _serve(args) -> int:
     from jaxinfer.server.launch import serve
 
     options = dict(_engine_options(args), enable_prefix_caching=not args.no_prefix_caching)
+    lora_modules = parse_lora_modules(args.lora_modules)  # before the model loads: a typo fails at once
     if args.num_kv_blocks is not None:
         options["num_kv_blocks"] = args.num_kv_blocks
 
@@ -147,7 +176,7 @@ def _serve(args) -> int:
 
     name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.split(".")[0]
     serve(load, model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, lora_modules=lora_modules)
     return 0
 
 
@@ -251,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
     srv.add_argument("--max-queue", type=int, default=1024, help="most requests in flight; more are answered 429")
     _add_engine_args(srv)
+    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                     help="PEFT LoRA adapter directories, each served as the model NAME (vLLM's flag)")
     srv.add_argument("--num-kv-blocks", type=int, default=None)
     srv.add_argument("--no-prefix-caching", action="store_true")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,

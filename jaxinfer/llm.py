@@ -34,7 +34,9 @@ class LLM:
     per token and KV head, about 4x (float32 models) or 2x (bfloat16) the blocks for the same memory),
     speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see engine/spec/config.py),
     background_compile (True: serve once the largest shape buckets are compiled and compile the
-    others on a thread; see wait_compiled).
+    others on a thread; see wait_compiled),
+    enable_lora / max_loras / max_lora_rank (serve PEFT LoRA adapters: up to max_loras distinct adapters in
+    one step, ranks up to max_lora_rank; requests pick theirs with `lora_request=`, see lora/).
 
     tensor_parallel_size N: shard the model over N devices (Megatron-style, parallel/sharding.py);
     data_parallel_size M: M engine replicas on disjoint groups of N devices, requests spread over
@@ -103,26 +105,33 @@ class LLM:
         return normalized
 
     # -- generation ----------------------------------------------------------
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        return self._generate(self._normalize_prompts(prompts), sampling_params, use_tqdm)
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """lora_request: None (the base model), one LoRARequest for every
+        prompt, or a list with one (or None) per prompt."""
+        return self._generate(self._normalize_prompts(prompts), sampling_params, use_tqdm, lora_request)
 
-    def _generate(self, prompts, sampling_params, use_tqdm) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm, lora_request=None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        lora_requests = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(lora_requests) != len(prompts):
+            raise ValueError(f"got {len(lora_requests)} lora_requests for {len(prompts)} prompts")
         # Check every prompt before submitting any, so a bad one fails the
         # call without leaving the others half-run in the engine.
         for i, ((_, token_ids), params) in enumerate(zip(prompts, sampling_params)):
             self.engine.validate(f"prompt {i}", token_ids, params)
+        for i, lora in enumerate(lora_requests):  # reads and checks each adapter once, before any runs
+            self.engine.validate_lora(f"prompt {i}", lora)
         for i, params in enumerate(sampling_params):  # compiles grammars now (cached), failing before any runs
             self.engine.check_structured_outputs(f"prompt {i}", params)
         order = []
-        for (text, token_ids), params in zip(prompts, sampling_params):
+        for (text, token_ids), params, lora in zip(prompts, sampling_params, lora_requests):
             request_id = f"generate-{next(self._request_ids)}"
-            self.engine.add_request(request_id, token_ids, params, prompt=text)
+            self.engine.add_request(request_id, token_ids, params, prompt=text, lora_request=lora)
             order.append(request_id)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
@@ -133,15 +142,16 @@ class LLM:
                         bar.update()
         return [finished[r] for r in order]
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """messages: one conversation (list of {"role", "content"}) or a list of them."""
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
+        """messages: one conversation (list of {"role", "content"}) or a list of them;
+        lora_request as for generate."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         # The template writes BOS itself where the model wants one.
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         prompts = [(text, self.tokenizer.encode(text, add_special_tokens=False)) for text in texts]
-        return self._generate(prompts, sampling_params, use_tqdm)
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def stream(self, prompt, sampling_params=None):
         """Yield text deltas of one prompt's first completion as tokens arrive.

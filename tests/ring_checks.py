@@ -267,6 +267,7 @@ def capacity_group():
     refused = [(dict(kv_cache_dtype="int8"), "kv_cache_dtype='auto'"),
                (dict(attention_backend="pallas"), "attention_backend must be 'xla'"),
                (dict(speculative=dict(method="ngram", num_speculative_tokens=2)), "speculative"),
+               (dict(enable_lora=True), "LoRA"),
                (dict(num_kv_blocks=4 * per_device + 2), "multiple of context_parallel_size")]
     for options, message in refused:
         try:

@@ -58,6 +58,14 @@ def test_tensor_parallel_equals_single_device(group):
     assert f"{group}: ok" in out
 
 
+def test_lora_tensor_parallel_equals_single_device():
+    """LoRA adapters at TP 2 and 4: A/B split with their base weights, a
+    mixed-adapter batch's logits and greedy tokens equal the single-device
+    LoRA engine's (itself checked against PeftModel)."""
+    out = _run_checks("lora", devices=8)
+    assert "lora: ok" in out
+
+
 def test_data_parallel_2x2_equals_single_device():
     out = _run_checks("dp", devices=4)
     assert "dp: ok" in out
@@ -199,7 +207,7 @@ class _FakeReplica:
         self.requests = {}
         self.scheduler = SimpleNamespace(running=[], waiting=[])
 
-    def add_request(self, request_id, prompt_token_ids, params, prompt=None):
+    def add_request(self, request_id, prompt_token_ids, params, prompt=None, lora_request=None):
         seqs = [_FakeSeq(prompt_token_ids, params.max_tokens) for _ in range(params.n)]
         self.requests[request_id] = SimpleNamespace(sequences=seqs)
         self.scheduler.waiting.extend(seqs)

@@ -389,7 +389,7 @@ class ScriptedEngine:
     def validate(self, name, token_ids, params):
         pass
 
-    def add_request(self, request_id, token_ids, params, prompt=None):
+    def add_request(self, request_id, token_ids, params, prompt=None, lora_request=None):
         from jaxinfer.outputs import CompletionOutput, RequestOutput
 
         self.requests[request_id] = (RequestOutput(request_id, prompt, list(token_ids),

@@ -16,6 +16,10 @@ nobody holds any more keeps its contents and hash and waits in an LRU queue;
 it is reused for a hit, or evicted (hash dropped) when the plain free list
 runs dry.
 
+A sequence may name a cache salt (a LoRA adapter's, engine/sequence.py): it
+stands as the parent hash of the sequence's first block, so its chain, and
+every block in it, is findable only by sequences with the same salt.
+
 Two sequences that computed the same block independently (both missed, e.g.
 identical prompts admitted in the same step) hold two copies. The first one
 registered stays the cache entry; the other is remembered as a duplicate, so
@@ -92,6 +96,7 @@ class BlockManager:
         # Chain hashes of each sequence's leading full blocks that are known to
         # the cache, so cache_full_blocks only hashes blocks it has not seen.
         self._seq_hashes: dict[Hashable, list[bytes]] = {}
+        self._seq_salts: dict[Hashable, bytes | None] = {}  # each sequence's cache salt (the chain's root)
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,7 +118,7 @@ class BlockManager:
                 block_id = None
         return block_hash, block_id
 
-    def _cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+    def _cached_prefix(self, token_ids: Sequence[int], cache_salt: bytes | None) -> tuple[list[int], list[bytes]]:
         """The longest cached run of the sequence's leading full blocks (block
         ids and chain hashes), without taking them or counting the lookup."""
         table: list[int] = []
@@ -124,7 +129,7 @@ class BlockManager:
         # At least one token must be left to compute: its logits are what
         # the step samples from, and a zero-length prefill breaks the step.
         for i in range(max(0, (len(token_ids) - 1) // bs)):
-            parent_hash = hashes[-1] if hashes else None
+            parent_hash = hashes[-1] if hashes else cache_salt
             block_hash, block_id = self._lookup(parent_hash, tuple(token_ids[i * bs : (i + 1) * bs]))
             if block_id is None:
                 break
@@ -132,26 +137,26 @@ class BlockManager:
             hashes.append(block_hash)
         return table, hashes
 
-    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+    def cached_prefix_len(self, token_ids: Sequence[int], cache_salt: bytes | None = None) -> int:
         """Tokens allocate_prefix would serve from the cache now (no side effects)."""
-        return len(self._cached_prefix(token_ids)[0]) * self.block_size
+        return len(self._cached_prefix(token_ids, cache_salt)[0]) * self.block_size
 
-    def can_admit(self, token_ids: Sequence[int], num_tokens: int) -> bool:
+    def can_admit(self, token_ids: Sequence[int], num_tokens: int, cache_salt: bytes | None = None) -> bool:
         """Whether allocate_prefix then allocate(num_tokens) would succeed for a
         new sequence with these tokens. The scheduler asks first, so a request
         that must wait neither takes blocks nor counts as a cache query."""
-        table, _ = self._cached_prefix(token_ids)
+        table, _ = self._cached_prefix(token_ids, cache_salt)
         # Hit blocks nobody holds are counted as free now but stop being free once taken.
         reused_free = sum(block_id in self._evictable for block_id in table)
         needed = max(0, -(-num_tokens // self.block_size) - len(table))
         return needed <= self.num_free_blocks - reused_free
 
-    def allocate_prefix(self, seq_id, token_ids: Sequence[int]) -> int:
+    def allocate_prefix(self, seq_id, token_ids: Sequence[int], cache_salt: bytes | None = None) -> int:
         """Register a new sequence and give it the longest cached run of its
-        leading full blocks; returns the number of cached tokens."""
+        leading full blocks under its cache salt; returns the number of cached tokens."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has a block table")
-        table, hashes = self._cached_prefix(token_ids)
+        table, hashes = self._cached_prefix(token_ids, cache_salt)
         for block_id in table:
             self._evictable.pop(block_id, None)
             self._blocks[block_id].ref_count += 1
@@ -160,6 +165,7 @@ class BlockManager:
             self.prefix_cache_hits += len(table) * self.block_size
         self._tables[seq_id] = table
         self._seq_hashes[seq_id] = hashes
+        self._seq_salts[seq_id] = cache_salt
         return len(table) * self.block_size
 
     def num_blocks_needed(self, seq_id, num_tokens: int) -> int:
@@ -209,7 +215,7 @@ class BlockManager:
                 f"and {len(table)} blocks"
             )
         for i in range(len(hashes), num_full):
-            parent_hash = hashes[-1] if hashes else None
+            parent_hash = hashes[-1] if hashes else self._seq_salts[seq_id]
             block_token_ids = tuple(token_ids[i * bs : (i + 1) * bs])
             block_hash, existing = self._lookup(parent_hash, block_token_ids)
             hashes.append(block_hash)
@@ -228,6 +234,7 @@ class BlockManager:
         if table is None:
             return
         del self._seq_hashes[seq_id]
+        del self._seq_salts[seq_id]
         # Tail first, so the LRU evicts a sequence's tail before its head:
         # the head blocks are the ones other prompts are likely to share.
         for block_id in reversed(table):

@@ -47,6 +47,11 @@ class EngineConfig:
     # rest on a thread (engine/runner.py warmup); False compiles all first.
     # Always False across processes: lockstep hosts must pick the same buckets.
     background_compile: bool = True
+    # LoRA (lora/): serve PEFT adapters, up to max_loras distinct ones in a
+    # step, each of rank <= max_lora_rank (vLLM's names and defaults).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
@@ -72,6 +77,13 @@ class EngineConfig:
                 and self.structured_outputs_compile_timeout > 0):
             raise ValueError("structured_outputs_compile_timeout must be a positive number of seconds, got "
                              f"{self.structured_outputs_compile_timeout!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.enable_lora and self.speculative is not None:
+            raise ValueError("enable_lora with speculative decoding is not supported (the drafts would come "
+                             "from the base model, not the request's adapter)")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
 
@@ -89,6 +101,8 @@ def check_context_parallel(config: EngineConfig, mesh) -> None:
         raise ValueError("context_parallel_size > 1 needs kv_cache_dtype='auto' (a float KV cache)")
     if config.speculative is not None:
         raise ValueError("context_parallel_size > 1 does not support speculative decoding")
+    if config.enable_lora:
+        raise ValueError("context_parallel_size > 1 does not support LoRA adapters yet")
     if config.attention_backend != "xla" and config.attention_backend is not None:
         raise ValueError("context_parallel_size > 1 runs its own ring attention; attention_backend must be 'xla'")
     if config.num_kv_blocks is not None and config.num_kv_blocks % cp:

@@ -8,7 +8,9 @@ One step, speculative or not, is one path:
     proposer.after_step()    host/device: drafts for the next step (engine/spec/)
 
 Bad requests are rejected at add_request with a RequestError naming the
-problem; the engine keeps serving the others.
+problem; the engine keeps serving the others. A request's LoRA adapter is
+read and checked there too (on first sight; lora/adapter.py), so a bad
+adapter is that request's error.
 
 Structured outputs: a request with `structured_outputs` waits here, outside
 the scheduler, while its grammar compiles on the compiler's worker thread
@@ -73,8 +75,15 @@ class LLMEngine:
         self.max_context_len = min(config.max_model_len, self.block_manager.num_usable_blocks * config.block_size)
         log.info("KV pool: %d blocks of %d tokens, %d per device over %d context device(s); maximum context %d "
                  "tokens", num_blocks, config.block_size, num_blocks // cp, cp, self.max_context_len)
+        self.lora = None
+        if config.enable_lora:
+            from jaxinfer.lora.slots import LoRASlots
+
+            self.lora = LoRASlots(model.config, model.checkpoint_config, config.max_loras, config.max_lora_rank,
+                                  model.dtype, mesh=model.mesh)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
+            lora_slots=self.lora,
         )
         # The draft model's pool has as many blocks as the target's.
         self.proposer = build_proposer(spec, draft or model, config, num_blocks, progress)
@@ -82,7 +91,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model.config, model.params, cache, config.block_size, config.max_model_len, config.max_num_seqs,
             config.max_num_batched_tokens, config.attention_backend, config.num_speculative_tokens,
-            with_features=self.proposer.needs_features, mesh=model.mesh,
+            with_features=self.proposer.needs_features, mesh=model.mesh, lora=self.lora,
         )
         self.runner.warmup(progress, background=config.background_compile and jax.process_count() == 1)
         self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.tokenizer,
@@ -136,6 +145,18 @@ class LLMEngine:
             except GrammarError as e:
                 raise RequestError(f"{name}: {e}") from None
 
+    def validate_lora(self, name: str, lora_request) -> None:
+        """Raise RequestError unless this engine serves adapters and can serve
+        this one (read and checked now, its host copy kept for add_request)."""
+        if lora_request is None:
+            return
+        if self.lora is None:
+            raise RequestError(f"{name}: a lora_request needs an engine built with enable_lora=True")
+        try:
+            self.lora.register(lora_request)
+        except RequestError as e:
+            raise type(e)(f"{name}: {e}") from None
+
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
@@ -160,11 +181,15 @@ class LLMEngine:
         return (f"structured_outputs.{params.structured_outputs.kind}: the grammar did not compile within "
                 f"structured_outputs_compile_timeout={self.config.structured_outputs_compile_timeout} s")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt=None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt=None,
+                    lora_request=None) -> None:
+        """lora_request: a LoRARequest (lora/request.py) naming the adapter
+        this request runs with, or None for the base model."""
         prompt_token_ids = list(prompt_token_ids)
         if request_id in self.requests:
             raise RequestError(f"request {request_id}: id already in use")
         self.validate(f"request {request_id}", prompt_token_ids, params)
+        self.validate_lora(f"request {request_id}", lora_request)
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         eos = frozenset() if params.ignore_eos or self.tokenizer is None else frozenset(self.tokenizer.eos_token_ids)
@@ -186,6 +211,7 @@ class LLMEngine:
                              if self.tokenizer else None),
                 eos_token_ids=eos,
                 leader=sequences[0] if sequences else None,
+                lora_int_id=0 if lora_request is None else lora_request.lora_int_id,
             )
             if params.logprobs is not None:
                 seq.output.cumulative_logprob = 0.0
@@ -322,4 +348,7 @@ class LLMEngine:
             # Structured outputs: host seconds filling token bitmasks, and rows filled.
             "structured_mask_time_s": self.runner.mask_time,
             "structured_masks": self.runner.num_masks,
+            # LoRA (0 without): adapters written into device slots, and the seconds it took.
+            "lora_loads": 0 if self.lora is None else self.lora.num_loads,
+            "lora_load_time_s": 0.0 if self.lora is None else self.lora.load_time,
         }

@@ -26,12 +26,16 @@ class StepInputs(NamedTuple):
     attn_meta: PagedAttentionMetadata
     logits_indices: np.ndarray  # i32: the rows that get logits ([S]; every row [T] when verifying)
     layout: str  # "decode" | "mixed" | "verify" (engine/programs.py)
+    # i32 [T]: each row's LoRA adapter slot (0: none; padding rows 0), or
+    # None when the engine serves no adapters (the programs then take none).
+    lora_slots: np.ndarray | None = None
 
 
 def build_inputs(token_ids: list[list[int]], num_computed: list[int], num_new: list[int],
                  block_tables: list[list[int]], *, num_tokens: int, num_seqs: int, layout: str,
-                 block_size: int, max_blocks_per_seq: int) -> StepInputs:
-    """token_ids[i]: sequence i's tokens (drafts included) as far as this step reaches."""
+                 block_size: int, max_blocks_per_seq: int, seq_lora_slots: list[int] | None = None) -> StepInputs:
+    """token_ids[i]: sequence i's tokens (drafts included) as far as this step reaches.
+    seq_lora_slots: sequence i's adapter slot (lora/slots.py), or None without LoRA."""
     rows_per_seq = num_tokens // num_seqs if layout == "verify" else None
     tokens = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
@@ -41,6 +45,7 @@ def build_inputs(token_ids: list[list[int]], num_computed: list[int], num_new: l
     context_lens = np.zeros(num_seqs, np.int32)
     last_rows = np.zeros(num_seqs, np.int32)
     query_start = np.zeros(num_seqs + 1, np.int32)
+    lora_slots = None if seq_lora_slots is None else np.zeros(num_tokens, np.int32)
     start = 0
     for i, (ids, first, new, table) in enumerate(zip(token_ids, num_computed, num_new, block_tables)):
         rows = rows_per_seq or new
@@ -54,9 +59,11 @@ def build_inputs(token_ids: list[list[int]], num_computed: list[int], num_new: l
         tables[i, : len(table)] = table
         context_lens[i] = first + rows
         last_rows[i] = start + new - 1
+        if lora_slots is not None:
+            lora_slots[start: start + rows] = seq_lora_slots[i]
         start += rows
         query_start[i + 1] = start
     query_start[len(token_ids) + 1:] = start  # padding sequences own no rows
     meta = PagedAttentionMetadata(slots, positions, token_seq, tables, context_lens, query_start)
     logits_indices = np.arange(num_tokens, dtype=np.int32) if rows_per_seq else last_rows
-    return StepInputs(tokens, meta, logits_indices, layout)
+    return StepInputs(tokens, meta, logits_indices, layout, lora_slots)

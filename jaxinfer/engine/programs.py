@@ -94,9 +94,12 @@ def _attention(attn_meta, config: ModelConfig, backend: str, layout: str, num_to
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "layout", "with_features", "mesh"),
                    donate_argnames=("kv_cache",))
-def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, *, config: ModelConfig, backend: str,
-                 layout: str, with_features: bool = False, mesh=None):
-    """-> (logits [len(logits_indices), V], pre-norm hidden [T, hidden] or None, kv_cache)."""
+def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, lora_slots=None, *, config: ModelConfig,
+                 backend: str, layout: str, with_features: bool = False, mesh=None):
+    """-> (logits [len(logits_indices), V], pre-norm hidden [T, hidden] or None, kv_cache).
+    lora_slots: None, or each row's adapter slot int32 [T] with the adapter
+    buffers in params["layers"]["lora"] (lora/slots.py); None traces the
+    program without any LoRA input or work."""
     attention = _attention(attn_meta, config, backend, layout, tokens.shape[0], mesh)
     positions = attn_meta.positions
     if context_parallel_size(mesh) > 1 and layout == "mixed":
@@ -106,7 +109,7 @@ def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, *, config:
         rows = NamedSharding(mesh, PartitionSpec(CONTEXT_AXIS))
         tokens, positions = jax.lax.with_sharding_constraint((tokens, positions), rows)
     pre, kv_cache = forward(params, config, tokens[None], positions[None], attention, kv_cache,
-                            final_norm=False)
+                            final_norm=False, lora_slots=None if lora_slots is None else lora_slots[None])
     hidden = rms_norm(pre[0], params["final_norm"], config.rms_norm_eps)
     # Logits only where a token is sampled. On a mesh they come out split on
     # vocab; the sampler needs whole rows, so gather them here, once, in a

@@ -63,10 +63,12 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params, kv_cache, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, attention_backend: str = "xla",
                  num_speculative_tokens: int = 0, sampling: bool = True, with_features: bool = False,
-                 mesh=None):
+                 mesh=None, lora=None):
         """sampling=False: forward programs only (a draft model's runner, whose
         proposer takes its own argmax of the logits). with_features: steps
-        return StepOutput.features (what a proposer's `needs_features` asks)."""
+        return StepOutput.features (what a proposer's `needs_features` asks).
+        lora: the engine's LoRASlots (lora/slots.py), or None: every forward
+        then takes each row's adapter slot and the slots' current buffers."""
         self.config = config
         # The ("model",) mesh params and kv_cache are sharded over, or None (one device).
         self.mesh = mesh
@@ -77,6 +79,7 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens
         self.sampling = sampling
         self.with_features = with_features
+        self.lora = lora
         # A padded verify row sits at a position up to K beyond the sequence;
         # its table entry must exist (it reads the null block).
         self.max_blocks_per_seq = -(-(max_model_len + num_speculative_tokens) // block_size)
@@ -213,7 +216,8 @@ class ModelRunner:
         if kind == "forward":
             _, num_tokens, _, layout = program
             inputs = build_inputs([], [], [], [], num_tokens=num_tokens, num_seqs=num_seqs, layout=layout,
-                                  block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq)
+                                  block_size=self.block_size, max_blocks_per_seq=self.max_blocks_per_seq,
+                                  seq_lora_slots=None if self.lora is None else [])
             return self._forward_call(inputs)
         if kind == "sample":
             full = program[2]
@@ -245,12 +249,13 @@ class ModelRunner:
 
     # -- programs ------------------------------------------------------------
     def inputs(self, token_ids: list[list[int]], num_computed: list[int], num_new: list[int],
-               block_tables: list[list[int]], verify: bool = False) -> StepInputs:
+               block_tables: list[list[int]], verify: bool = False, seq_lora_slots: list[int] | None = None
+               ) -> StepInputs:
         """The bucketed inputs of a step (engine/inputs.py says what the lists hold)."""
         num_tokens, num_seqs, layout = self.bucket(sum(num_new), len(num_new), verify)
         return build_inputs(token_ids, num_computed, num_new, block_tables, num_tokens=num_tokens,
                             num_seqs=num_seqs, layout=layout, block_size=self.block_size,
-                            max_blocks_per_seq=self.max_blocks_per_seq)
+                            max_blocks_per_seq=self.max_blocks_per_seq, seq_lora_slots=seq_lora_slots)
 
     def forward(self, inputs: StepInputs):
         """-> (logits at inputs.logits_indices, pre-norm hidden of every row), on the device."""
@@ -259,10 +264,13 @@ class ModelRunner:
         return logits, features
 
     def _forward_call(self, inputs: StepInputs):
-        tokens, meta, logits_indices = self._put(inputs[:3])
+        tokens, meta, logits_indices, lora_slots = self._put((*inputs[:3], inputs.lora_slots))
+        params = self.params
+        if self.lora is not None:  # the slots' buffers as they are now (loads replace them, same shapes)
+            params = {**params, "layers": {**params["layers"], "lora": self.lora.buffers}}
         statics = dict(config=self.config, backend=self.attention_backend, layout=inputs.layout,
                        with_features=self.with_features, mesh=self.mesh)
-        return forward_step, (self.params, self.kv_cache, tokens, meta, logits_indices), statics
+        return forward_step, (params, self.kv_cache, tokens, meta, logits_indices, lora_slots), statics
 
     def _no_mask(self, num_seqs: int) -> tuple:
         if num_seqs not in self._no_masks:
@@ -311,7 +319,8 @@ class ModelRunner:
         seqs = batch.sequences
         verify = batch.verifies_drafts
         inputs = self.inputs([s.token_ids() + s.draft_token_ids for s in seqs], batch.num_computed_tokens,
-                             batch.num_new_tokens, block_tables, verify)
+                             batch.num_new_tokens, block_tables, verify,
+                             None if self.lora is None else [s.lora_slot for s in seqs])
         num_seqs = len(inputs.attn_meta.context_lens)
         sampling = SamplingMetadata.from_params(
             [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs], num_seqs

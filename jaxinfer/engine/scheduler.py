@@ -20,6 +20,10 @@ dropped when the step holds a prompt chunk, and those that do not fit the
 budget or the free blocks are dropped too (drafts never preempt anyone).
 That rule lives in `_schedule_drafts` and nowhere else.
 
+LoRA: a sequence with an adapter is admitted only once its adapter holds a
+device slot (lora/slots.py), which it pins until it is preempted or
+finishes; when every slot is pinned by other adapters, the queue waits.
+
 `policy="static"` is a benchmark baseline: admit a batch only when nothing is
 running, then run it until every member finishes.
 """
@@ -54,7 +58,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, policy="continuous"):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, policy="continuous",
+                 lora_slots=None):
         if policy not in ("continuous", "static"):
             raise ValueError(f"scheduling_policy must be 'continuous' or 'static', got {policy!r}")
         self.block_manager = block_manager
@@ -68,6 +73,7 @@ class Scheduler:
         # finished or aborted), so that state kept beside the KV cache (a
         # draft model's own cache) is freed with it.
         self.on_release: Callable[[Sequence], None] | None = None
+        self.lora_slots = lora_slots  # LoRASlots, or None without LoRA
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,6 +85,9 @@ class Scheduler:
         """Free what a sequence holds beside its tokens: blocks and drafts."""
         self.block_manager.free(seq.seq_id)
         seq.draft_token_ids = []
+        if seq.lora_slot:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = 0
         if self.on_release is not None:
             self.on_release(seq)
 
@@ -120,12 +129,17 @@ class Scheduler:
                 break
             # Check before taking anything: a request that has to wait holds no
             # blocks and counts as a prefix-cache query only once admitted.
-            bm, token_ids = self.block_manager, seq.token_ids()
-            cached = bm.cached_prefix_len(token_ids)
+            bm, token_ids, salt = self.block_manager, seq.token_ids(), seq.prefix_cache_salt
+            cached = bm.cached_prefix_len(token_ids, salt)
             num_new = min(seq.num_tokens - cached, budget)
-            if not bm.can_admit(token_ids, cached + num_new):
+            if not bm.can_admit(token_ids, cached + num_new, salt):
                 break
-            seq.num_computed_tokens = bm.allocate_prefix(seq.seq_id, token_ids)
+            if seq.lora_int_id:
+                slot = self.lora_slots.acquire(seq.lora_int_id)
+                if slot is None:
+                    break
+                seq.lora_slot = slot
+            seq.num_computed_tokens = bm.allocate_prefix(seq.seq_id, token_ids, salt)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             if not bm.allocate(seq.seq_id, seq.num_computed_tokens + num_new):

@@ -53,6 +53,17 @@ class Sequence:
     # Structured outputs: where the output stands in its grammar
     # (structured/matcher.py), or None. Kept across preemption.
     structured: object = None
+    # LoRA: the request's adapter (0: none) and, while the sequence is
+    # admitted, the device slot it pins (lora/slots.py; 0 when none).
+    lora_int_id: int = 0
+    lora_slot: int = 0
+
+    @property
+    def prefix_cache_salt(self) -> bytes | None:
+        """The root of its blocks' prefix-cache hash chain: K/V computed with
+        an adapter differ from the base model's and from other adapters', so
+        each adapter caches in its own namespace (block_manager.py)."""
+        return f"lora:{self.lora_int_id}".encode() if self.lora_int_id else None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -25,13 +25,16 @@ class Model:
     """config: the config the params run with; on a mesh whose size exceeds the
     KV heads that is parallel/sharding.py's sharded_config (KV heads repeated).
     mesh: None (one device) or the ("model",) mesh the params are sharded over.
-    quantization: how the weights were loaded (load()'s choice, "auto" resolved)."""
+    quantization: how the weights were loaded (load()'s choice, "auto" resolved).
+    checkpoint_config: the checkpoint's own config (differs from `config` only
+    in KV heads repeated on a mesh); what LoRA adapters are checked against."""
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer, dtype, source: str = "", load_seconds=0.0,
-                 mesh=None, quantization: str | None = None):
+                 mesh=None, quantization: str | None = None, checkpoint_config: ModelConfig | None = None):
         self.mesh = mesh
         self.quantization = quantization
         self.config = config
+        self.checkpoint_config = checkpoint_config or config
         self.params = params
         self.tokenizer = tokenizer
         self.dtype = dtype
@@ -53,7 +56,7 @@ class Model:
         if self.mesh is None or mesh.size != self.mesh.size:
             raise ValueError("on_mesh copies a sharded model to a mesh of the same size")
         return Model(self.config, shard_params(self.params, mesh), self.tokenizer, self.dtype, self.source,
-                     self.load_seconds, mesh, self.quantization)
+                     self.load_seconds, mesh, self.quantization, self.checkpoint_config)
 
     def logits(self, token_ids) -> np.ndarray:
         """Full-sequence forward without a cache: float32 logits [T, vocab].
@@ -146,7 +149,7 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
         params = build_params(config, source, np_dtype, progress=progress, quantization=quantization, mesh=mesh)
     jax.block_until_ready(params)
     return Model(run_config, params, tokenizer, np_dtype, description, time.perf_counter() - start, mesh,
-                 quantization)
+                 quantization, config)
 
 
 def _orbax_shardings(source: OrbaxCheckpoint, config: ModelConfig, mesh):

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq
+from jaxinfer.models.lora import lora_delta
 from jaxinfer.quant.linear import linear
 
 
@@ -62,20 +63,33 @@ def param_shapes(config: ModelConfig) -> dict:
     return shapes
 
 
-def decoder_layer(p: dict, config: ModelConfig, x, positions, inv_freq, attention: AttentionFn, kv_cache, layer_index):
+def adapted_linear(x, p: dict, key: str, lora_slots=None):
+    """linear(x, p[key]) plus the LoRA term of each row's adapter when the
+    step serves adapters (lora_slots int32 [B, T], buffers in p["lora"]; see
+    models/lora.py). Without lora_slots it is exactly linear."""
+    y = linear(x, p[key])
+    if lora_slots is None:
+        return y
+    a, b = p["lora"][key]
+    return y + lora_delta(x, a, b, lora_slots)
+
+
+def decoder_layer(p: dict, config: ModelConfig, x, positions, inv_freq, attention: AttentionFn, kv_cache, layer_index,
+                  lora_slots=None):
     """One transformer block over x [B, T, hidden] with one layer's weights `p`
     (the per-layer dicts above without the leading L axis); returns (x, kv_cache).
+    lora_slots: None, or each row's adapter slot int32 [B, T] (lora/slots.py).
     Shared by the model body and the EAGLE draft head (engine/spec/eagle_head.py)."""
     c = config
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-    values, kv_cache = attention_values(p, c, h, positions, inv_freq, attention, kv_cache, layer_index)
-    x = x + linear(values, p["wo"])
+    values, kv_cache = attention_values(p, c, h, positions, inv_freq, attention, kv_cache, layer_index, lora_slots)
+    x = x + adapted_linear(values, p, "wo", lora_slots)
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-    return x + linear(mlp_hidden(p, h), p["w_down"]), kv_cache
+    return x + adapted_linear(mlp_hidden(p, h, lora_slots), p, "w_down", lora_slots), kv_cache
 
 
 def attention_values(p: dict, config: ModelConfig, h, positions, inv_freq, attention: AttentionFn, kv_cache,
-                     layer_index):
+                     layer_index, lora_slots=None):
     """The attention of one layer on its normed input h [B, T, hidden]: the
     values before wo [B, T, heads * head_dim], and the cache. A piece of its
     own because AWQ calibration (jaxinfer/calibration.py) scales its inputs."""
@@ -83,7 +97,7 @@ def attention_values(p: dict, config: ModelConfig, h, positions, inv_freq, atten
     batch, seq = h.shape[:2]
 
     def project(w, b, heads):
-        y = linear(h, p[w])
+        y = adapted_linear(h, p, w, lora_slots)
         y = y if b not in p else y + p[b]
         return y.reshape(batch, seq, heads, c.head_dim)
 
@@ -99,13 +113,13 @@ def attention_values(p: dict, config: ModelConfig, h, positions, inv_freq, atten
     return out.reshape(batch, seq, c.num_heads * c.head_dim), kv_cache
 
 
-def mlp_hidden(p: dict, h):
+def mlp_hidden(p: dict, h, lora_slots=None):
     """The MLP's activations before w_down: silu(h @ w_gate) * (h @ w_up)."""
-    return jax.nn.silu(linear(h, p["w_gate"])) * linear(h, p["w_up"])
+    return jax.nn.silu(adapted_linear(h, p, "w_gate", lora_slots)) * adapted_linear(h, p, "w_up", lora_slots)
 
 
 def forward(params: dict, config: ModelConfig, tokens, positions, attention: AttentionFn, kv_cache=None,
-            final_norm: bool = True):
+            final_norm: bool = True, lora_slots=None):
     """Run the transformer body.
 
     tokens, positions: int32 [B, T]. `attention` implements the attention of
@@ -115,7 +129,9 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
     a whole layer slice of the cache per step. Returns (hidden [B, T, hidden]
     after the final norm, updated kv_cache); with final_norm=False the hidden
     states are the last layer's residual stream before the norm (the
-    features an EAGLE draft head reads).
+    features an EAGLE draft head reads). lora_slots: None, or each token's
+    adapter slot int32 [B, T], with the adapters' buffers in
+    params["layers"]["lora"] (lora/slots.py).
     """
     c = config
     inv_freq = rope_inv_freq(c)
@@ -124,7 +140,7 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
     def layer(carry, per_layer):
         x, kv_cache = carry
         p, layer_index = per_layer
-        return decoder_layer(p, c, x, positions, inv_freq, attention, kv_cache, layer_index), None
+        return decoder_layer(p, c, x, positions, inv_freq, attention, kv_cache, layer_index, lora_slots), None
 
     layer_indices = jnp.arange(c.num_layers, dtype=jnp.int32)
     (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), (params["layers"], layer_indices))

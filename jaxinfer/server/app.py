@@ -2,7 +2,14 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as SSE or
 not), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET
-/metrics. Every route but /health and /metrics wants the API key (when one is
+/metrics.
+
+LoRA (vLLM's way): each adapter given to build_app (`jaxinfer serve
+--lora-modules name=path`) is served as a model of its own name, listed in
+/v1/models with the base model as its `parent`; a request's `model` picks
+the base model or an adapter. The adapters are read and checked when the
+model has loaded, so a bad one stops the server from becoming ready (and
+/health says why) rather than failing its first request. Every route but /health and /metrics wants the API key (when one is
 set) as `Authorization: Bearer KEY`.
 
 Handlers run on the event loop and do only cheap work: parse, tokenize,
@@ -48,8 +55,11 @@ OPEN_PATHS = ("/health", "/metrics")  # no API key: probes and scrapers
 class ServerState:
     """What the routes share: the LLM once loaded, its engine thread, metrics, settings."""
 
-    def __init__(self, model_name: str, api_key: str | None, max_queue: int | None):
+    def __init__(self, model_name: str, api_key: str | None, max_queue: int | None, lora_modules=None):
         self.model_name = model_name
+        self.lora_modules = dict(lora_modules or {})  # served name -> LoRARequest
+        if model_name in self.lora_modules:
+            raise ValueError(f"LoRA module name {model_name!r} is the base model's served name; choose another")
         self.api_key = api_key
         self.max_queue = max_queue
         self.metrics = ServerMetrics(model_name)
@@ -59,6 +69,8 @@ class ServerState:
 
     def attach(self, llm) -> None:
         """Serve this LLM: start the engine thread over the engine it holds (one or data-parallel)."""
+        for name, lora in self.lora_modules.items():  # raises RequestError for an adapter it cannot serve
+            llm.engine.validate_lora(f"LoRA module {name!r}", lora)
         engine = EngineThread(llm.engine, self.metrics, self.max_queue)
         engine.start()
         self.llm, self.engine = llm, engine
@@ -71,10 +83,16 @@ class ServerState:
             raise APIError(503, self.engine.fatal_error or "the engine has stopped", code="engine_dead")
         return self.engine
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{errors.clip(model, 100)}' does not exist; this server serves "
-                                f"'{self.model_name}'", "model", "model_not_found")
+    def check_model(self, model: str | None):
+        """The LoRARequest the `model` field names, or None for the base model
+        (also when the field is absent); 404 for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.lora_modules:
+            return self.lora_modules[model]
+        served = ", ".join(f"'{m}'" for m in [self.model_name, *self.lora_modules])
+        raise APIError(404, f"the model '{errors.clip(model, 100)}' does not exist; this server serves {served}",
+                       "model", "model_not_found")
 
     @property
     def tokenizer(self):
@@ -172,11 +190,12 @@ def _stream_error(e: Exception) -> str:
 
 
 def build_app(llm=None, *, model_name: str, load=None, api_key: str | None = None, max_queue: int | None = 1024,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, lora_modules=None) -> FastAPI:
     """An app serving `llm` (an LLM, already loaded) or, when `load` is given,
     the LLM that `load()` returns, built in a background thread so /health
-    can answer 503 meanwhile."""
-    state = ServerState(model_name, api_key, max_queue)
+    can answer 503 meanwhile. lora_modules: {served name: LoRARequest} (the
+    LLM needs enable_lora=True and max_lora_rank for them)."""
+    state = ServerState(model_name, api_key, max_queue, lora_modules)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -218,10 +237,12 @@ def build_app(llm=None, *, model_name: str, load=None, api_key: str | None = Non
     @app.get("/v1/models")
     async def models():
         state.ready()
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxinfer",
-            "root": str(state.llm.model.source), "max_model_len": state.llm.max_model_len,
-        }]}
+        created = int(time.time())
+        base = {"id": state.model_name, "object": "model", "created": created, "owned_by": "jaxinfer",
+                "root": str(state.llm.model.source), "parent": None, "max_model_len": state.llm.max_model_len}
+        adapters = [dict(base, id=name, root=str(lora.lora_path), parent=state.model_name)
+                    for name, lora in state.lora_modules.items()]
+        return {"object": "list", "data": [base, *adapters]}
 
     # -- tokenizer -----------------------------------------------------------
     @app.post("/tokenize")
@@ -248,7 +269,7 @@ def build_app(llm=None, *, model_name: str, load=None, api_key: str | None = Non
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         engine = state.ready()
-        state.check_model(body.model)
+        lora = state.check_model(body.model)
         body.check_unsupported()
         prompts = body.prompts()
         many = len(prompts) > 1
@@ -266,15 +287,15 @@ def build_app(llm=None, *, model_name: str, load=None, api_key: str | None = Non
                                           body.logprobs)
             _validate(state, name, token_ids, params)
             await _compile_grammar(state, name, params)
-            requests.append(EngineRequest(f"{request_id}-{i}", token_ids, params, prompt))
+            requests.append(EngineRequest(f"{request_id}-{i}", token_ids, params, prompt, lora))
             prompt_texts.append(prompt or "")
-        builder = ResponseBuilder(request_id, state.model_name, chat=False)
+        builder = ResponseBuilder(request_id, body.model or state.model_name, chat=False)
         return await _respond(engine, request, body, requests, builder, prompt_texts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         engine = state.ready()
-        state.check_model(body.model)
+        lora = state.check_model(body.model)
         body.check_unsupported()
         text = _chat_text(state, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         token_ids = await _encode(state, text, add_special_tokens=False)  # the template writes BOS itself
@@ -283,8 +304,8 @@ def build_app(llm=None, *, model_name: str, load=None, api_key: str | None = Non
         _validate(state, "messages", token_ids, params)
         await _compile_grammar(state, "messages", params)
         request_id = engine.new_id("chatcmpl")
-        builder = ResponseBuilder(request_id, state.model_name, chat=True)
-        requests = [EngineRequest(f"{request_id}-0", token_ids, params, text)]
+        builder = ResponseBuilder(request_id, body.model or state.model_name, chat=True)
+        requests = [EngineRequest(f"{request_id}-0", token_ids, params, text, lora)]
         return await _respond(engine, request, body, requests, builder, [""])
 
     return app

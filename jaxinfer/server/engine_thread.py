@@ -71,6 +71,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    lora_request: object = None  # a LoRARequest (the adapter the request's `model` named), or None
 
 
 @dataclass
@@ -215,7 +216,7 @@ class EngineThread:
                                done=[False] * request.params.n)
             try:
                 self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                        prompt=request.prompt)
+                                        prompt=request.prompt, lora_request=request.lora_request)
             except RequestError as e:  # this request only
                 self._queue(outgoing, tracked, e)
                 return
