@@ -10,18 +10,17 @@ then on its engine belongs to the server's engine thread.
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.server.app import build_app
+from tests.serving import served
 
 MODEL = "smollm2-test"
 KEY = "test-key"
@@ -85,20 +84,8 @@ class Running:
 @pytest.fixture(scope="module")
 def server(llm, reference):
     app = build_app(llm, model_name=MODEL, api_key=KEY, max_queue=256)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if uv.started:
-            break
-        time.sleep(0.05)
-    assert uv.started
-    yield Running(f"http://127.0.0.1:{port}", app, llm)
-    uv.should_exit = True
-    thread.join(30)
+    with served(app) as url:
+        yield Running(url, app, llm)
 
 
 def stream_text(chunks, chat=False):

@@ -10,16 +10,12 @@ shapes matter to the adapter). References are computed with the same LLM
 before the server starts: from then on its engine belongs to the server.
 """
 
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 import transformers
-import uvicorn
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.cli import _engine_options, build_parser, parse_lora_modules
@@ -27,6 +23,7 @@ from jaxinfer.errors import RequestError
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.server.app import ServerState, build_app
 from tests.lora_helpers import make_adapter
+from tests.serving import served
 
 MODEL = "smollm2-lora-test"
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=64)
@@ -67,21 +64,8 @@ def setup(tmp_path_factory):
 def server(setup):
     llm, modules, _ = setup
     app = build_app(llm, model_name=MODEL, lora_modules=modules)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if uv.started:
-            break
-        time.sleep(0.05)
-    assert uv.started
-    url = f"http://127.0.0.1:{port}"
-    yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-    uv.should_exit = True
-    thread.join(30)
+    with served(app) as url:
+        yield url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def test_models_lists_adapters_with_their_parent(server, setup):
