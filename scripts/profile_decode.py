@@ -73,7 +73,11 @@ def main() -> None:
 
     for batch in batch_sizes:
         rng = np.random.default_rng(0)
-        params_greedy = SamplingParams(temperature=0.0, max_tokens=args.iters + 8, ignore_eos=True)
+        # Chunked prefill lets the first sequences decode while later prompts
+        # are still prefilled: every sequence must outlive all of those steps
+        # and the timed ones, or the "batch" shrinks before it is measured.
+        prefill_steps = -(-batch * args.context // engine.config.max_num_batched_tokens)
+        params_greedy = SamplingParams(temperature=0.0, max_tokens=prefill_steps + args.iters + 8, ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"p{batch}-{i}", rng.integers(100, 1000, args.context).tolist(), params_greedy)
         while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running) or \
@@ -92,6 +96,7 @@ def main() -> None:
 
         # The same step's device programs, alone, on the engine's own inputs.
         seqs = list(engine.scheduler.running)
+        assert len(seqs) == batch, f"{len(seqs)} sequences left of {batch}"
         tables = [engine.block_manager.block_table(s.seq_id) for s in seqs]
         # Recompute each sequence's last cached token: its slot is allocated
         # (the newest token's is only allocated when the scheduler owes it).
