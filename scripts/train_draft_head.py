@@ -393,7 +393,7 @@ def main():
 
     def evaluate(params):
         sums, batches = {}, 0
-        for i in range(0, len(eval_w["tokens"]) - args.batch_size + 1, args.batch_size):
+        for i in range(0, len(eval_w["tokens"]), args.batch_size):  # the last, smaller batch compiles once more
             _, metrics = eval_step(params, target, {k: v[i: i + args.batch_size] for k, v in eval_w.items()})
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -438,7 +438,7 @@ def main():
     if step < total_steps:
         print(f"stopped at step {step}/{total_steps}; run the same command again to go on from {state_path}")
         return
-    info = {"target": model.source, "window": args.window, "epochs": args.epochs, "steps": step,
+    info = {"target": Path(str(model.source)).name, "window": args.window, "epochs": args.epochs, "steps": step,
             "ttt_steps": args.ttt_steps, "draft_vocab": len(d2t), "draft_vocab_coverage": coverage,
             "train_sequences": len(train), "held_out_sequences": len(held_out),
             "held_out": log[-1]["eval"] if log else evaluate(trainable),
