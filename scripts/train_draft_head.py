@@ -311,6 +311,8 @@ def main():
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--stop-after", type=int, default=None, help="optimizer steps to run in this piece "
                         "(the state is saved; run again to go on)")
+    parser.add_argument("--export", action="store_true", help="write the head from the saved state as it is "
+                        "(a run stopped early), without training further")
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the target's)")
     parser.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training (K)")
@@ -414,6 +416,8 @@ def main():
         log.append({"step": 0, "eval": evaluate(trainable)})
         print(f"step 0: held-out {fmt(log[0]['eval'])}", flush=True)
     stop = total_steps if args.stop_after is None else min(total_steps, step + args.stop_after)
+    if args.export:
+        stop = step
     t0 = time.perf_counter()
     while step < stop:
         epoch, b = divmod(step, steps_per_epoch)
@@ -435,16 +439,17 @@ def main():
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(log) + "\n")
-    if step < total_steps:
+    if step < total_steps and not args.export:
         print(f"stopped at step {step}/{total_steps}; run the same command again to go on from {state_path}")
         return
     info = {"target": Path(str(model.source)).name, "window": args.window, "epochs": args.epochs, "steps": step,
+            "total_steps": total_steps,
             "ttt_steps": args.ttt_steps, "draft_vocab": len(d2t), "draft_vocab_coverage": coverage,
             "train_sequences": len(train), "held_out_sequences": len(held_out),
             "held_out": log[-1]["eval"] if log else evaluate(trainable),
             "command": "python scripts/train_draft_head.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                if v is not None and v is not False and k not in ("json", "stop_after"))}
+                if v is not None and v is not False and k not in ("json", "stop_after", "export"))}
     save_head(args.out, with_vocab(trainable), config, args.window, info)
     print(f"wrote {args.out}: {json.dumps(info)}")
 
