@@ -132,7 +132,7 @@ def count_positions(llm, k: int) -> dict:
     return counts
 
 
-def run(llm, prompts, output_len: int, temperature: float = 0.0) -> dict:
+def run(llm, prompts, output_len: int, temperature: float = 0.0, one_at_a_time: bool = False) -> dict:
     from jaxinfer import SamplingParams
 
     if temperature > 0:
@@ -144,7 +144,11 @@ def run(llm, prompts, output_len: int, temperature: float = 0.0) -> dict:
     counts = getattr(llm, "_position_counts", None)
     counts_before = {key: list(v) for key, v in counts.items()} if counts else None
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if one_at_a_time:  # batch 1 over several prompts: each request alone, in turn
+        outputs = [llm.generate([p], params if temperature == 0 else [params[i]], use_tqdm=False)[0]
+                   for i, p in enumerate(prompts)]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     after = llm.stats()
     diff = {k: after[k] - before[k] for k in ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verifications",
@@ -160,6 +164,8 @@ def main():
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--batch1-prompts", type=int, default=1, help="at batch 1, run this many prompts one "
+                        "after another (acceptance over one prompt is noisy)")
     parser.add_argument("--kinds", default="code,summarize,open")
     parser.add_argument("--methods", default="plain,ngram,eagle,draft_model,draft_model:int4")
     parser.add_argument("--eagle-head", default=None, help="EAGLE head file (default: the one in checkpoints/)")
@@ -215,7 +221,7 @@ def main():
             engines[method]._position_counts = count_positions(engines[method], k)
         print(f"{method}: loaded and compiled in {time.perf_counter() - start:.1f}s", flush=True)
     tokenizer = next(iter(engines.values())).tokenizer
-    prompts = {kind: build_prompts(tokenizer, kind, max_batch) for kind in kinds}
+    prompts = {kind: build_prompts(tokenizer, kind, max(max_batch, args.batch1_prompts)) for kind in kinds}
     for method, llm in engines.items():  # first-call costs outside the timings
         llm.generate([prompts[kinds[0]][0]], None, use_tqdm=False)
 
@@ -225,7 +231,8 @@ def main():
             runs = {m: [] for m in engines}
             for _ in range(args.repeats):  # engines interleaved within each repeat
                 for m, llm in engines.items():
-                    runs[m].append(run(llm, prompts[kind][:batch], args.output_len, args.temperature))
+                    runs[m].append(run(llm, prompts[kind][:batch if batch > 1 else args.batch1_prompts], args.output_len,
+                                       args.temperature, one_at_a_time=batch == 1))
             base = min(r["wall_s"] for r in runs["plain"]) if "plain" in runs else None
             reference = runs["plain"][0]["token_ids"] if "plain" in runs else None
             for m, rs in runs.items():
