@@ -304,7 +304,7 @@ def main():
     parser.add_argument("--out", default="checkpoints/eagle-smollm2-135m-instruct.safetensors")
     parser.add_argument("--data", default="eagle_data.jsonl", help="JSON lines of generated text: extended "
                         "(resumably) until it holds --num-sequences, then trained on")
-    parser.add_argument("--num-sequences", type=int, default=None, help="prompts to generate for (default: all)")
+    parser.add_argument("--num-sequences", type=int, default=768, help="the first N prompts of the seeded order (0: all 987)")
     parser.add_argument("--generate-only", action="store_true", help="stop after generating the data")
     parser.add_argument("--state", default=None, help="training state (.npz): resumed from when present, "
                         "saved every --save-every steps (default: OUT with .state.npz)")
@@ -317,7 +317,7 @@ def main():
     parser.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the target's)")
     parser.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training (K)")
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="windows per optimizer step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -332,7 +332,7 @@ def main():
 
     start = time.perf_counter()
     model = load(args.model, progress=False)
-    prompts = build_prompts(model.tokenizer, args.seed)[: args.num_sequences]
+    prompts = build_prompts(model.tokenizer, args.seed)[: args.num_sequences or None]
     data_path = Path(args.data)
     generate_data(args.model, prompts, data_path, args.max_tokens, args.seed)
     if args.generate_only:

@@ -18,13 +18,16 @@ from tests.tiny_models import make_hf_model, save_hf_model
 # Every LLM here shares these shapes, so programs compile once per process.
 ENGINE = dict(max_model_len=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=24)
 K = 3
+# Drafting at every batch size (disable_by_batch_size=None): these tests are about the machinery in
+# batches, preemption included, not about when drafting pays.
+ALWAYS = dict(num_speculative_tokens=K, disable_by_batch_size=None)
 PROPOSERS = {
-    "ngram": dict(method="ngram", num_speculative_tokens=K, max_n=3),
-    "draft_is_target": dict(method="draft_model", num_speculative_tokens=K),
-    "other_draft": dict(method="draft_model", num_speculative_tokens=K),  # model set in the fixture
+    "ngram": dict(method="ngram", max_n=3, **ALWAYS),
+    "draft_is_target": dict(method="draft_model", **ALWAYS),
+    "other_draft": dict(method="draft_model", **ALWAYS),  # model set in the fixture
     # Random heads for the tiny target, set in spec_llm: with a draft vocabulary (as shipped) and without.
-    "eagle": dict(method="eagle", num_speculative_tokens=K),
-    "eagle_full_vocab": dict(method="eagle", num_speculative_tokens=K),
+    "eagle": dict(method="eagle", **ALWAYS),
+    "eagle_full_vocab": dict(method="eagle", **ALWAYS),
 }
 
 
@@ -360,8 +363,19 @@ def test_throughput_benchmark_reports_acceptance(tiny_dir, draft_dir):
         (dict(method="ngram", num_speculative_tokens=2, max_n=2, min_n=3), "min_n"),
         (dict(method="draft_model", num_speculative_tokens=2, max_n=3), "unknown key"),
         (dict(method="eagle", num_speculative_tokens=2, disable_by_batch_size=0), "positive int"),
+        (dict(method="ngram", num_speculative_tokens=2, disable_by_batch_size=1.5), "positive int"),
     ],
 )
 def test_bad_speculative_config(speculative, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(max_model_len=64, speculative=speculative)
+
+
+def test_disable_by_batch_size_default_and_none():
+    from jaxinfer.engine.spec.config import DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+
+    for method in ("ngram", "draft_model", "eagle"):
+        parsed = SpeculativeConfig.parse(dict(method=method, num_speculative_tokens=2))
+        assert parsed.disable_by_batch_size == DISABLE_BY_BATCH_SIZE[method]
+        always = SpeculativeConfig.parse(dict(method=method, num_speculative_tokens=2, disable_by_batch_size=None))
+        assert always.disable_by_batch_size is None
