@@ -7,7 +7,8 @@ shape), "summarize" (chat: summarize the given paragraphs, so the answer
 copies from the prompt), "open" (chat: open-ended questions). Every request
 is greedy with max_tokens = --output-len (EOS ends it), so every engine emits
 the same tokens and the speedup is plain wall time over speculative wall
-time for the same batch. Engines: "plain", "ngram", "eagle" (the trained
+time for the same batch (--temperature T > 0: sampled with a seed per request,
+which speculative decoding keeps token-for-token too). Engines: "plain", "ngram", "eagle" (the trained
 draft head in checkpoints/, or --eagle-head), "draft_model" (the
 draft is the target itself unless --draft-model says otherwise: with a
 greedy draft equal to the target every draft is accepted, so it measures the
@@ -18,7 +19,10 @@ compiled programs; each configuration is run --repeats times, engines
 interleaved so that they see the same machine noise, and the fastest run
 of each is kept. Prints a table and writes JSON.
 
-Run: python scripts/bench_speculative.py [--batch-sizes 1,8,32] [--num-speculative-tokens 4]
+Per draft position j it also reports how often draft j was accepted, of
+the verifications that offered a j-th draft.
+
+Run: python scripts/bench_speculative.py [--batch-sizes 1,8,32] [--num-speculative-tokens 4] [--temperature 0]
      [--output-len 64] [--methods plain,ngram,eagle,draft_model,draft_model:int4] [--json bench_speculative.json]
 """
 
@@ -107,18 +111,52 @@ def build_prompts(tokenizer, kind: str, count: int) -> list[list[int]]:
     return [chat(q) for q in questions[:count]]
 
 
-def run(llm, prompts, output_len: int) -> dict:
+def count_positions(llm, k: int) -> dict:
+    """Counts, per draft position j (1..k), of verifications that offered a
+    j-th draft ("offered") and that accepted it ("accepted"), read from each
+    step's output as the engine's output processor receives it."""
+    counts = {"offered": [0] * k, "accepted": [0] * k}
+    processor = llm.engine.output_processor
+    process = processor.process
+
+    def counting(batch, out, requests):
+        for i, num_drafts in enumerate(batch.num_drafts):
+            if num_drafts:
+                accepted = min(int(out.num_emitted[i]) - 1, num_drafts)
+                for j in range(num_drafts):
+                    counts["offered"][j] += 1
+                    counts["accepted"][j] += j < accepted
+        return process(batch, out, requests)
+
+    processor.process = counting
+    return counts
+
+
+def run(llm, prompts, output_len: int, temperature: float = 0.0, one_at_a_time: bool = False) -> dict:
     from jaxinfer import SamplingParams
 
+    if temperature > 0:
+        params = [SamplingParams(temperature=temperature, max_tokens=output_len, seed=1000 + i)
+                  for i in range(len(prompts))]
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len)
     before = llm.stats()
+    counts = getattr(llm, "_position_counts", None)
+    counts_before = {key: list(v) for key, v in counts.items()} if counts else None
     start = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=output_len), use_tqdm=False)
+    if one_at_a_time:  # batch 1 over several prompts: each request alone, in turn
+        outputs = [llm.generate([p], params if temperature == 0 else [params[i]], use_tqdm=False)[0]
+                   for i, p in enumerate(prompts)]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     after = llm.stats()
     diff = {k: after[k] - before[k] for k in ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verifications",
                                               "num_compilations")}
+    positions = ({key: [a - b for a, b in zip(counts[key], counts_before[key])] for key in counts}
+                 if counts else None)
     return {"wall_s": wall, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
-            "token_ids": [o.outputs[0].token_ids for o in outputs], **diff}
+            "token_ids": [o.outputs[0].token_ids for o in outputs], "positions": positions, **diff}
 
 
 def main():
@@ -126,12 +164,17 @@ def main():
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--batch1-prompts", type=int, default=1, help="at batch 1, run this many prompts one "
+                        "after another (acceptance over one prompt is noisy)")
     parser.add_argument("--kinds", default="code,summarize,open")
     parser.add_argument("--methods", default="plain,ngram,eagle,draft_model,draft_model:int4")
     parser.add_argument("--eagle-head", default=None, help="EAGLE head file (default: the one in checkpoints/)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, seeded")
+    parser.add_argument("--disable-by-batch-size", default="default", help="'default' (the method's measured "
+                        "crossover), 'none' (draft at every batch size) or an int")
     parser.add_argument("--draft-model", default=None, help="draft checkpoint (default: the target itself)")
     parser.add_argument("--json", default="bench_speculative.json")
     args = parser.parse_args()
@@ -149,7 +192,14 @@ def main():
     num_blocks = max_batch * -(-(320 + args.output_len + k) // block_size) + 1
     options = dict(dtype=args.dtype, progress=False, max_model_len=max_model_len, block_size=block_size,
                    max_num_seqs=max_batch, num_kv_blocks=num_blocks)
+    disable = ({} if args.disable_by_batch_size == "default" else
+               {"disable_by_batch_size": None if args.disable_by_batch_size == "none" else int(args.disable_by_batch_size)})
+
     def spec_for(method):
+        spec = spec_for_method(method)
+        return spec if spec is None else {**spec, **disable}
+
+    def spec_for_method(method):
         if method == "plain":
             return None
         if method == "ngram":
@@ -167,9 +217,11 @@ def main():
         start = time.perf_counter()
         engines[method] = LLM(args.model, speculative=spec_for(method), **options)
         engines[method].wait_compiled()
+        if method != "plain":
+            engines[method]._position_counts = count_positions(engines[method], k)
         print(f"{method}: loaded and compiled in {time.perf_counter() - start:.1f}s", flush=True)
     tokenizer = next(iter(engines.values())).tokenizer
-    prompts = {kind: build_prompts(tokenizer, kind, max_batch) for kind in kinds}
+    prompts = {kind: build_prompts(tokenizer, kind, max(max_batch, args.batch1_prompts)) for kind in kinds}
     for method, llm in engines.items():  # first-call costs outside the timings
         llm.generate([prompts[kinds[0]][0]], None, use_tqdm=False)
 
@@ -179,7 +231,8 @@ def main():
             runs = {m: [] for m in engines}
             for _ in range(args.repeats):  # engines interleaved within each repeat
                 for m, llm in engines.items():
-                    runs[m].append(run(llm, prompts[kind][:batch], args.output_len))
+                    runs[m].append(run(llm, prompts[kind][:batch if batch > 1 else args.batch1_prompts], args.output_len,
+                                       args.temperature, one_at_a_time=batch == 1))
             base = min(r["wall_s"] for r in runs["plain"]) if "plain" in runs else None
             reference = runs["plain"][0]["token_ids"] if "plain" in runs else None
             for m, rs in runs.items():
@@ -197,26 +250,37 @@ def main():
                     "same_tokens_as_plain": reference is None or all(r["token_ids"] == reference for r in rs),
                     "compilations_during_runs": sum(r["num_compilations"] for r in rs),
                 }
+                if rs[0]["positions"]:
+                    offered = [sum(r["positions"]["offered"][j] for r in rs) for j in range(k)]
+                    took = [sum(r["positions"]["accepted"][j] for r in rs) for j in range(k)]
+                    row["acceptance_per_position"] = [a / o if o else None for a, o in zip(took, offered)]
                 results.append(row)
                 print(f"{kind:9s} b={batch:<3d} {m:11s} {row['output_tokens_per_s']:7.1f} tok/s  "
                       f"speedup {row['speedup'] or 0:.2f}  acceptance {row['acceptance_rate'] or 0:.2f}  "
-                      f"mean accepted length {row['mean_accepted_length'] or 0:.2f}", flush=True)
+                      f"mean accepted length {row['mean_accepted_length'] or 0:.2f}"
+                      + (" per position " + " ".join("-" if a is None else f"{a:.2f}"
+                                                     for a in row["acceptance_per_position"])
+                         if row.get("acceptance_per_position") else ""), flush=True)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     device = jax.devices()[0]
     model = next(iter(engines.values())).model.source
-    print(f"\n{model}, K={k}, output-len {args.output_len}, greedy, {device.platform} ({platform.processor() or ''}), "
+    sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature} (seeded)"
+    print(f"\n{model}, K={k}, output-len {args.output_len}, {sampling}, {device.platform} ({platform.processor() or ''}), "
           f"commit {commit}")
-    print("| kind | batch | method | output tok/s | speedup | acceptance rate | mean accepted length |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print("| kind | batch | method | output tok/s | speedup | acceptance rate | mean accepted length | "
+          "accepted per draft position |")
+    print("|---|---:|---|---:|---:|---:|---:|---|")
     for r in results:
         def fmt(x, spec=".2f"):
             return "-" if x is None else format(x, spec)
         print(f"| {r['kind']} | {r['batch']} | {r['method']} | {r['output_tokens_per_s']:.1f} | {fmt(r['speedup'])} | "
-              f"{fmt(r['acceptance_rate'])} | {fmt(r['mean_accepted_length'])} |")
+              f"{fmt(r['acceptance_rate'])} | {fmt(r['mean_accepted_length'])} | "
+              + " / ".join(fmt(a) for a in r.get("acceptance_per_position") or []) + " |")
     with open(args.json, "w") as f:
         json.dump({"model": model, "num_speculative_tokens": k, "output_len": args.output_len, "commit": commit,
                    "device": f"{device.platform} {device.device_kind}", "draft_model": args.draft_model,
+                   "temperature": args.temperature, "disable_by_batch_size": args.disable_by_batch_size,
                    "results": results}, f, indent=2)
     print(f"wrote {args.json}")
 

@@ -23,7 +23,7 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def eagle_llm():
     return LLM(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, progress=False,
-               speculative={"method": "eagle", "num_speculative_tokens": 3})
+               speculative={"method": "eagle", "num_speculative_tokens": 3, "disable_by_batch_size": None})
 
 
 def test_shipped_head_is_exact_and_accepted(eagle_llm):

@@ -18,11 +18,16 @@ from tests.tiny_models import make_hf_model, save_hf_model
 # Every LLM here shares these shapes, so programs compile once per process.
 ENGINE = dict(max_model_len=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=24)
 K = 3
+# Drafting at every batch size (disable_by_batch_size=None): these tests are about the machinery in
+# batches, preemption included, not about when drafting pays.
+ALWAYS = dict(num_speculative_tokens=K, disable_by_batch_size=None)
 PROPOSERS = {
-    "ngram": dict(method="ngram", num_speculative_tokens=K, max_n=3),
-    "draft_is_target": dict(method="draft_model", num_speculative_tokens=K),
-    "other_draft": dict(method="draft_model", num_speculative_tokens=K),  # model set in the fixture
-    "eagle": dict(method="eagle", num_speculative_tokens=K),  # a random head for the tiny target, set in spec_llm
+    "ngram": dict(method="ngram", max_n=3, **ALWAYS),
+    "draft_is_target": dict(method="draft_model", **ALWAYS),
+    "other_draft": dict(method="draft_model", **ALWAYS),  # model set in the fixture
+    # Random heads for the tiny target, set in spec_llm: with a draft vocabulary (as shipped) and without.
+    "eagle": dict(method="eagle", **ALWAYS),
+    "eagle_full_vocab": dict(method="eagle", **ALWAYS),
 }
 
 
@@ -44,17 +49,25 @@ def draft_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eagle_head(tiny_dir, tmp_path_factory):
-    """An untrained (random) EAGLE head for the tiny target: its drafts are
-    rarely right, which exercises rejection; exactness must hold regardless."""
+    """Untrained (random) EAGLE heads for the tiny target: their drafts are
+    rarely right, which exercises rejection; exactness must hold regardless.
+    -> {"eagle": a head with a draft vocabulary of 96 of the 128 target ids
+    in shuffled order (so a draft id is never its target id), "eagle_full_vocab": one
+    scoring the target's whole vocabulary}."""
     import jax
 
     from jaxinfer import load
     from jaxinfer.engine.spec.eagle_head import init_head, save_head
 
     model = load(tiny_dir, progress=False)
-    path = tmp_path_factory.mktemp("eagle") / "head.safetensors"
-    save_head(path, init_head(model.config, jax.random.key(0)), model.config, 6, {})
-    return str(path)
+    directory = tmp_path_factory.mktemp("eagle")
+    head = init_head(model.config, jax.random.key(0))
+    save_head(directory / "full.safetensors", head, model.config, 6, {})
+    rng = np.random.default_rng(0)
+    d2t = rng.permutation(model.config.vocab_size)[:96].astype(np.int32)
+    lm_head = rng.normal(size=(model.config.hidden_size, 96)).astype(np.float32)
+    save_head(directory / "vocab.safetensors", head | {"lm_head": lm_head, "d2t": d2t}, model.config, 6, {})
+    return {"eagle": str(directory / "vocab.safetensors"), "eagle_full_vocab": str(directory / "full.safetensors")}
 
 
 def greedy(n, **kw):
@@ -96,8 +109,8 @@ def spec_llm(name, tiny_dir, draft_dir, eagle_head=None):
         spec = dict(PROPOSERS[name])
         if name == "other_draft":
             spec["model"] = draft_dir
-        if name == "eagle":
-            spec["model"] = eagle_head
+        if name.startswith("eagle"):
+            spec["model"] = eagle_head[name]
         _llms[name] = LLM(tiny_dir, progress=False, speculative=spec, **ENGINE)
     return _llms[name]
 
@@ -147,7 +160,7 @@ def check_eagle_drafts(llm, calls) -> None:
 
     from jaxinfer.models.attention import full_sequence_attention
     from jaxinfer.models.llama import forward
-    from jaxinfer.engine.spec.eagle_head import feature_logits, head_features, window_attention
+    from jaxinfer.engine.spec.eagle_head import draft_logits, head_features, window_attention
 
     proposer = llm.engine.proposer
     model, config = llm.model, llm.model.config
@@ -172,7 +185,13 @@ def check_eagle_drafts(llm, calls) -> None:
                 pos = first + jnp.arange(len(entries_tokens), dtype=jnp.int32)[None]
                 out, _ = head_features(proposer.head, model.params, config, t, f, pos,
                                        window_attention(jnp.ones(t.shape, bool)))
-                token = int(jnp.argmax(feature_logits(model.params, config, out[0, -1])))
+                logits = draft_logits(proposer.head, model.params, config, out[0, -1])
+                if "d2t" in proposer.head:  # the draft vocabulary's argmax, as the target id it stands for
+                    assert logits.shape == (96,)
+                    token = int(np.asarray(proposer.head["d2t"])[int(jnp.argmax(logits))])
+                else:
+                    assert logits.shape == (config.vocab_size,)
+                    token = int(jnp.argmax(logits))
                 assert token == call["drafts"][row, j]
                 entries_tokens.append(token)
                 entries_feats.append(np.asarray(out[0, -1]))
@@ -209,7 +228,7 @@ def test_greedy_equals_plain_decoding(name, tiny_dir, draft_dir, eagle_head, wor
     assert llm.stats()["num_compilations"] == expected_programs(llm)  # all at warm-up, spec programs included
     prompts, params, reference = workload
     proposals = record_proposals(llm)
-    eagle_calls = record_eagle_drafts(llm) if name == "eagle" else None
+    eagle_calls = record_eagle_drafts(llm) if name.startswith("eagle") else None
     check_blocks_after_each_step(llm)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for out, ref in zip(outputs, reference):
@@ -223,7 +242,7 @@ def test_greedy_equals_plain_decoding(name, tiny_dir, draft_dir, eagle_head, wor
     check_invariants(llm.engine.block_manager)
     if name == "ngram":
         assert stats["spec_accepted_tokens"] > 0
-    elif name == "eagle":
+    elif name.startswith("eagle"):
         check_eagle_drafts(llm, eagle_calls)
     else:
         draft_blocks = llm.engine.proposer.block_manager
@@ -297,6 +316,29 @@ def test_mixed_batch(name, plain, tiny_dir, draft_dir, eagle_head):
     assert alone.outputs[0].token_ids == outputs[1].outputs[0].token_ids
 
 
+def test_drafting_off_above_batch_size(plain, tiny_dir):
+    """disable_by_batch_size=2: no step offers drafts while more than two
+    sequences decode; once the batch has shrunk to two, drafting resumes;
+    every output is still plain decoding's."""
+    llm = LLM(tiny_dir, progress=False, speculative=dict(method="ngram", num_speculative_tokens=K, max_n=3,
+                                                         disable_by_batch_size=2), **ENGINE)
+    sizes = []
+    propose = llm.engine.proposer.propose
+
+    def recording(seqs, caps):
+        sizes.append(len(seqs))
+        return propose(seqs, caps)
+
+    llm.engine.proposer.propose = recording
+    prompts = [[5, 6, 7, 8] * 4 + [i] for i in range(6)]
+    params = [greedy(4 + 4 * i) for i in range(6)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    reference = plain.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    assert sizes and max(sizes) <= 2
+    assert llm.stats()["spec_accepted_tokens"] > 0
+
+
 def test_throughput_benchmark_reports_acceptance(tiny_dir, draft_dir):
     from jaxinfer.benchmark import run_throughput, synthetic_requests
 
@@ -320,8 +362,20 @@ def test_throughput_benchmark_reports_acceptance(tiny_dir, draft_dir):
         (dict(method="ngram", num_speculative_tokens=2, model="x"), "unknown key"),
         (dict(method="ngram", num_speculative_tokens=2, max_n=2, min_n=3), "min_n"),
         (dict(method="draft_model", num_speculative_tokens=2, max_n=3), "unknown key"),
+        (dict(method="eagle", num_speculative_tokens=2, disable_by_batch_size=0), "positive int"),
+        (dict(method="ngram", num_speculative_tokens=2, disable_by_batch_size=1.5), "positive int"),
     ],
 )
 def test_bad_speculative_config(speculative, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(max_model_len=64, speculative=speculative)
+
+
+def test_disable_by_batch_size_default_and_none():
+    from jaxinfer.engine.spec.config import DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+
+    for method in ("ngram", "draft_model", "eagle"):
+        parsed = SpeculativeConfig.parse(dict(method=method, num_speculative_tokens=2))
+        assert parsed.disable_by_batch_size == DISABLE_BY_BATCH_SIZE[method]
+        always = SpeculativeConfig.parse(dict(method=method, num_speculative_tokens=2, disable_by_batch_size=None))
+        assert always.disable_by_batch_size is None

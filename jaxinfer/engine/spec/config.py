@@ -13,6 +13,13 @@ eagle: a trained draft head over the target's features (spec/eagle.py);
 checkpoints/ for the embedded default model.
 
     LLM(..., speculative={"method": "eagle", "num_speculative_tokens": 4, "model": None | head path})
+
+Every method also takes "disable_by_batch_size": drafting is off for a step
+when more sequences than this decode (the target's verification of K + 1
+rows per sequence costs more than the accepted drafts save once the batch
+already fills the machine); None drafts at every batch size. Left out, each
+method gets the crossover measured for it (DISABLE_BY_BATCH_SIZE,
+BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -21,10 +28,16 @@ from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "eagle")
 _KEYS = {
-    "ngram": {"method", "num_speculative_tokens", "max_n", "min_n"},
-    "draft_model": {"method", "num_speculative_tokens", "model", "quantization"},
-    "eagle": {"method", "num_speculative_tokens", "model"},
+    "ngram": {"method", "num_speculative_tokens", "max_n", "min_n", "disable_by_batch_size"},
+    "draft_model": {"method", "num_speculative_tokens", "model", "quantization", "disable_by_batch_size"},
+    "eagle": {"method", "num_speculative_tokens", "model", "disable_by_batch_size"},
 }
+# The largest batch at which each method came out ahead (or, for those that
+# never did, closest) on the 2-core CPU VM (scripts/bench_speculative.py,
+# BENCHMARKS.md, issue 17): every method lost to plain decoding at batch 8
+# and 32, so drafting is on only while a single sequence decodes. On a GPU,
+# where verification rows are nearly free, pass a larger value or None.
+DISABLE_BY_BATCH_SIZE = {"ngram": 1, "draft_model": 1, "eagle": 1}
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,7 @@ class SpeculativeConfig:
     min_n: int = 1
     model: str | None = None
     quantization: str | None = None
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -54,7 +68,10 @@ class SpeculativeConfig:
                              f"allowed: {sorted(_KEYS[method])}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative['num_speculative_tokens'] is required (the drafts per step, e.g. 4)")
+        value = {"disable_by_batch_size": DISABLE_BY_BATCH_SIZE[method], **value}
         config = cls(**value)
+        if config.disable_by_batch_size is not None:
+            _positive_int("disable_by_batch_size", config.disable_by_batch_size)
         _positive_int("num_speculative_tokens", config.num_speculative_tokens)
         _positive_int("max_n", config.max_n)
         _positive_int("min_n", config.min_n)

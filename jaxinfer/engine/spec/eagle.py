@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
-from jaxinfer.engine.spec.eagle_head import DEFAULT_HEAD, feature_logits, head_features, load_head
+from jaxinfer.engine.spec.eagle_head import DEFAULT_HEAD, draft_logits, head_features, load_head, to_target_ids
 from jaxinfer.engine.spec.proposer import Proposer
 from jaxinfer.utils import bucket_size, powers_of_two
 
@@ -75,7 +75,8 @@ def draft_tokens(head, target_params, tokens, features, first_position, lengths,
     feature = out[rows, lengths - 1]
     drafts = []
     for j in range(num_drafts):
-        token = jnp.argmax(feature_logits(target_params, c, feature), axis=-1).astype(jnp.int32)
+        # The argmax over the draft vocabulary, as a target id (what is verified and fed back).
+        token = to_target_ids(head, jnp.argmax(draft_logits(head, target_params, c, feature), axis=-1).astype(jnp.int32))
         drafts.append(token)
         if j + 1 == num_drafts:
             break
@@ -90,7 +91,7 @@ class EagleProposer(Proposer):
     needs_features = True
 
     def __init__(self, target, engine_config, spec, progress: bool = True):
-        super().__init__(spec.num_speculative_tokens, engine_config.max_model_len)
+        super().__init__(spec.num_speculative_tokens, engine_config.max_model_len, spec.disable_by_batch_size)
         self.target = target
         self.config = target.config
         self.head, self.window = load_head(spec.model or DEFAULT_HEAD, target.config, target.dtype)

@@ -15,6 +15,15 @@ The embedding, final norm and output head are the target's, so the head adds
 only fc and one layer (4.2 M parameters for SmolLM2-135M). Drafting feeds its
 own predicted feature back: entry (d_1, f^_n) at position n + 1, and so on.
 
+A head may carry a reduced draft vocabulary (EAGLE-3): its own output matrix
+lm_head [hidden, V_d] over the V_d target tokens the target writes most
+often, and d2t [V_d], each draft id's target id. Drafting then scores V_d
+tokens instead of the target's whole vocabulary (49,152 for SmolLM2: that
+matmul cost as much as the head itself on CPU) and maps its argmax back to
+a target id. A token outside the draft vocabulary is never drafted, which
+costs acceptance only where the target writes a rare token; verification is
+against the target, so outputs are unaffected either way.
+
 Attention sees a window of the last `window` entries only, with no cache of
 its own between steps: the target's features already summarize the long
 context, and a window keeps the head stateless (nothing to roll back after
@@ -63,7 +72,12 @@ def init_head(config: ModelConfig, key, target_params: dict | None = None) -> di
     space trains much faster than one from scratch), and fc as [0; I], which
     passes the feature through."""
     if target_params is not None:
-        layer = {name: jnp.asarray(target_params["layers"][name][-1], jnp.float32) for name in _LAYER_KEYS}
+        from jaxinfer.quant.tensor import QuantizedTensor, dequantize
+
+        def last(w):  # a quantized target (the default GGUF loads as int4/int8 codes) starts the head dequantized
+            return dequantize(w)[-1] if isinstance(w, QuantizedTensor) else jnp.asarray(w[-1], jnp.float32)
+
+        layer = {name: last(target_params["layers"][name]) for name in _LAYER_KEYS}
     else:
         shapes = head_shapes(config)["layer"]
         keys = jax.random.split(key, len(shapes))
@@ -91,6 +105,21 @@ def feature_logits(target_params: dict, config: ModelConfig, features):
     return compute_logits(target_params, rms_norm(features, target_params["final_norm"], config.rms_norm_eps))
 
 
+def draft_logits(head: dict, target_params: dict, config: ModelConfig, features):
+    """The head's logits from (predicted) features: over its draft vocabulary
+    when it has one (the target's final norm, then the head's own lm_head),
+    else the target's full logits."""
+    if "lm_head" not in head:
+        return feature_logits(target_params, config, features)
+    normed = rms_norm(features, target_params["final_norm"], config.rms_norm_eps)
+    return (normed @ head["lm_head"].astype(normed.dtype)).astype(jnp.float32)
+
+
+def to_target_ids(head: dict, draft_ids):
+    """Draft-vocabulary ids -> target ids (the identity without a draft vocabulary)."""
+    return jnp.take(head["d2t"], draft_ids) if "d2t" in head else draft_ids
+
+
 def window_attention(valid):
     """Causal attention among the entries of a window; valid [B, T] marks real entries."""
     index = jnp.broadcast_to(jnp.arange(valid.shape[1], dtype=jnp.int32), valid.shape)
@@ -114,6 +143,9 @@ def save_head(path, head: dict, config: ModelConfig, window: int, training_info:
 
     tensors = {"fc": np.asarray(head["fc"], np.float16)}
     tensors.update({f"layer.{k}": np.asarray(v, np.float16) for k, v in head["layer"].items()})
+    if "lm_head" in head:
+        tensors["lm_head"] = np.asarray(head["lm_head"], np.float16)
+        tensors["d2t"] = np.asarray(head["d2t"], np.int32)
     save_file(tensors, str(path), metadata=_metadata(config, window, training_info))
 
 
@@ -145,5 +177,16 @@ def load_head(path, config: ModelConfig, dtype) -> tuple[dict, int]:
         array = head["fc"] if name == "fc" else head["layer"][name[6:]]
         if array.shape != shape:
             raise ValueError(f"EAGLE head {path}: tensor {name} has shape {array.shape}, expected {shape}")
+    if "lm_head" in tensors or "d2t" in tensors:
+        lm_head, d2t = tensors.get("lm_head"), tensors.get("d2t")
+        if (lm_head is None or d2t is None or lm_head.ndim != 2 or lm_head.shape[0] != config.hidden_size
+                or d2t.shape != (lm_head.shape[1],)):
+            raise ValueError(f"EAGLE head {path}: a draft vocabulary needs lm_head [{config.hidden_size}, V] "
+                             f"and d2t [V]")
+        if d2t.min() < 0 or d2t.max() >= config.vocab_size:
+            raise ValueError(f"EAGLE head {path}: d2t names ids outside the target's vocabulary")
+        head["lm_head"] = lm_head
     head = jax.tree.map(lambda a: jax.device_put(np.asarray(a, dtype)), head)
+    if "d2t" in tensors:
+        head["d2t"] = jax.device_put(np.asarray(tensors["d2t"], np.int32))
     return head, int(meta["window"])

@@ -13,6 +13,10 @@ max_model_len, and none when it has repetition/presence/frequency penalties
 or logprobs (the verification program implements neither for draft rows) or
 structured outputs (drafts are not checked against the grammar), so those
 requests decode one token per step, in the same batch as the speculating ones.
+When more sequences decode than `disable_by_batch_size`, nobody is offered
+drafts for that step (a batch that large is faster without verification
+rows); the step itself runs as always, and proposers catch up on the tokens
+they skipped the next time they draft.
 
 A proposer implements:
 
@@ -37,9 +41,10 @@ class Proposer:
     # Whether update() reads StepOutput.features (the target's runner then returns them).
     needs_features = False
 
-    def __init__(self, num_speculative_tokens: int, max_model_len: int):
+    def __init__(self, num_speculative_tokens: int, max_model_len: int, disable_by_batch_size: int | None = None):
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
+        self.disable_by_batch_size = disable_by_batch_size
 
     def max_drafts(self, seq: Sequence) -> int:
         """How many drafts this sequence may verify next step: 0 when it must
@@ -55,6 +60,8 @@ class Proposer:
         self.update(batch, out)
         # Finished sequences are gone; one that still owes prompt tokens does not decode next.
         decoding = [s for s in batch.sequences if not s.is_finished and s.num_computed_tokens == s.num_tokens - 1]
+        if self.disable_by_batch_size is not None and len(decoding) > self.disable_by_batch_size:
+            return
         caps = [self.max_drafts(s) for s in decoding]
         seqs = [s for s, cap in zip(decoding, caps) if cap]
         if seqs:
