@@ -87,15 +87,14 @@ class ModelRunner:
         self.seq_buckets = powers_of_two(8, max_num_seqs)
         # Padding one decode token to 16 would multiply a memory-bound step's compute by 16.
         self.decode_buckets = powers_of_two(1, max_num_seqs)
-        self.compiled_programs: set = set()
-        # program -> its compiled executable (warmup, _run); the buckets whose
-        # programs are all compiled; the thread compiling the others, if any.
+        # program -> its compiled executable (warmup, _run; one assignment per
+        # program, so the serving thread may read it while another fills it);
+        # the buckets whose programs are all compiled; the thread compiling
+        # the others, if any.
         self._executables: dict = {}
         self._ready: frozenset = frozenset()
         self._background: _BackgroundCompile | None = None
-        self._lock = threading.Lock()
         self.warmed_up = False
-        self.num_compilations = 0
         self.device_time = 0.0  # seconds from dispatching a step to its outputs on the host
         # Structured outputs: host seconds filling token bitmasks, and the rows filled.
         self.mask_time = 0.0
@@ -128,6 +127,11 @@ class ModelRunner:
     def programs(self) -> list[tuple]:
         """Every program warm-up compiles."""
         return list(dict.fromkeys(p for bucket in self.buckets() for p in self.bucket_programs(bucket)))
+
+    @property
+    def num_compilations(self) -> int:
+        """Programs compiled so far: warm-up's, and any a step needed after it (an error, see _run)."""
+        return len(self._executables)
 
     def bucket(self, num_tokens: int, num_seqs: int, verify: bool = False) -> tuple[int, int, str]:
         if verify:
@@ -190,7 +194,7 @@ class ModelRunner:
         for bucket in tqdm(buckets, desc="compiling", unit="bucket", disable=not progress, leave=False):
             for program in self.bucket_programs(bucket):
                 if program not in self._executables:
-                    self._add_executable(program, lowered[program].compile())
+                    self._executables[program] = lowered[program].compile()
             self._ready = self._ready | {bucket}  # rebound, never mutated: bucket() reads it from another thread
             if stop is not None and stop.is_set():
                 return
@@ -200,13 +204,6 @@ class ModelRunner:
         # Lowered from shapes alone: the compiling thread must not hold the
         # buffers (the KV pool is donated, so deleted, at every step).
         return fn.lower(*jax.tree.map(_shape_of, args), **statics)
-
-    def _add_executable(self, program: tuple, executable):
-        with self._lock:
-            self._executables[program] = executable
-            self.compiled_programs.add(program)
-            self.num_compilations += 1
-        return executable
 
     def _warmup_call(self, program: tuple):
         """(jitted program, placeholder arguments of the program's shapes, static arguments)."""
@@ -236,7 +233,7 @@ class ModelRunner:
         if executable is None:
             if self.warmed_up:
                 log.error("compilation after warm-up of %s: a shape escaped bucketing", program)
-            executable = self._add_executable(program, self._lower(program, fn, args, statics).compile())
+            executable = self._executables[program] = self._lower(program, fn, args, statics).compile()
         return executable(*args)
 
     def _put(self, tree):
