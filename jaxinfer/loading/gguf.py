@@ -171,19 +171,15 @@ def _codes(blocks: np.ndarray, qtype):
     return codes, d, minimum
 
 
-def read_field(reader: GGUFFile, key: str, default=None):
-    return reader.fields.get(key, default)
-
-
 def config_from_gguf(reader: GGUFFile, path) -> ModelConfig:
-    arch = read_field(reader, "general.architecture")
+    arch = reader.fields.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedModelError(
             f"{path}: unknown architecture {arch!r}; supported GGUF architectures: {', '.join(_ARCHITECTURES)}"
         )
 
     def meta(key, default=None):
-        value = read_field(reader, f"{arch}.{key}", default)
+        value = reader.fields.get(f"{arch}.{key}", default)
         if value is None:
             raise CheckpointError(f"{path} lacks the metadata key {arch}.{key}")
         return value
@@ -191,7 +187,7 @@ def config_from_gguf(reader: GGUFFile, path) -> ModelConfig:
     tensor_names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in tensor_names:
         raise UnsupportedModelError(f"{path}: rope_freqs.weight (precomputed RoPE factors) is not supported yet")
-    scaling_type = read_field(reader, f"{arch}.rope.scaling.type")
+    scaling_type = reader.fields.get(f"{arch}.rope.scaling.type")
     rope_scaling = None
     if scaling_type == "linear":
         rope_scaling = (("factor", float(meta("rope.scaling.factor"))), ("rope_type", "linear"))
@@ -201,10 +197,10 @@ def config_from_gguf(reader: GGUFFile, path) -> ModelConfig:
     num_heads = int(meta("attention.head_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    vocab = read_field(reader, f"{arch}.vocab_size") or (
+    vocab = reader.fields.get(f"{arch}.vocab_size") or (
         len(tokens) if tokens is not None else int(embed.shape[-1]) if embed is not None else None
     )
-    sliding_window = read_field(reader, f"{arch}.attention.sliding_window")
+    sliding_window = reader.fields.get(f"{arch}.attention.sliding_window")
     return ModelConfig(
         architecture=_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -231,7 +227,7 @@ class GGUFTensors:
     def __init__(self, reader: GGUFFile, config: ModelConfig, path):
         self.description = str(path)
         self._config = config
-        self._unpermute = read_field(reader, "general.architecture") == "llama"
+        self._unpermute = reader.fields.get("general.architecture") == "llama"
         self._tensors = {}
         for tensor in reader.tensors:
             name = hf_name(tensor.name)
