@@ -25,8 +25,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     _add_quantization_args(parser)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--attention-backend", default=None, choices=["xla", "pallas", "pallas_interpret"],
-                        help="default: pallas on GPU, xla elsewhere")
+    parser.add_argument("--attention-backend", default=None, choices=["xla", "jnp", "pallas", "pallas_interpret"],
+                        help="default: pallas on GPU, xla elsewhere (jnp: xla without the native CPU "
+                        "decode kernel)")
     parallel = parser.add_argument_group("multi-device (README.md, Multi-device)")
     parallel.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                           help="shard the model over N devices")

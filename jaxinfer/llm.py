@@ -29,7 +29,8 @@ class LLM:
     changes the numbers); see `load`.
     engine_options: max_model_len, block_size, num_kv_blocks, kv_cache_memory_fraction,
     max_num_seqs, max_num_batched_tokens, enable_prefix_caching, scheduling_policy,
-    attention_backend ("xla", "pallas", "pallas_interpret"; default pallas on GPU, xla elsewhere),
+    attention_backend ("xla", "jnp", "pallas", "pallas_interpret"; default pallas on GPU, xla elsewhere;
+    on CPU "xla" runs decode steps in a native kernel built on first use, "jnp" never does),
     kv_cache_dtype ("auto": the model's dtype; "int8" or "fp8": quantized K/V with a float32 scale
     per token and KV head, about 4x (float32 models) or 2x (bfloat16) the blocks for the same memory),
     speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see engine/spec/config.py),

@@ -7,7 +7,11 @@ Engines and configurations (all greedy, one thread per core everywhere):
   jaxinfer   one LLM per --schemes entry: "none" (float32 weights dequantized
              from the GGUF, the default before quantization="auto"), "gguf" (the
              file's Q8_0/Q4_0/Q4_1 blocks kept: what "auto" picks on CPU), or a
-             load-time scheme ("int8", "int4", "fp8", "w8a8"); XLA uses every core
+             load-time scheme ("int8", "int4", "fp8", "w8a8"); XLA uses every core.
+             "SCHEME/KV" sets the KV cache dtype too ("gguf/int8": gguf weights,
+             int8 KV cache) and "SCHEME:BACKEND" the attention backend
+             ("gguf:jnp": without the native CPU decode kernel); without them,
+             the engine's defaults
   llama.cpp  the GGUF as stored, n_threads = cores, batch 1 only (optional)
 
 Workloads (the same real token ids, from the model's tokenizer, for every engine):
@@ -218,7 +222,11 @@ def setup_jaxinfer(path, scheme, prompts, prefill_prompt, batch_sizes, output_le
 
     max_batch, prompt_len = max(batch_sizes), len(prompts[0])
     blocks_per_seq = math.ceil((prompt_len + output_len) / BLOCK_SIZE) + 1
-    llm = LLM(str(path), quantization=None if scheme == "none" else scheme, progress=False,
+    weights_kv, _, backend = scheme.partition(":")
+    weights, _, kv_cache_dtype = weights_kv.partition("/")
+    options = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
+    options.update({"attention_backend": backend} if backend else {})
+    llm = LLM(str(path), quantization=None if weights == "none" else weights, progress=False, **options,
               max_num_seqs=max_batch, max_num_batched_tokens=max(max_batch * prompt_len, len(prefill_prompt)),
               num_kv_blocks=1 + max(max_batch * blocks_per_seq, math.ceil(len(prefill_prompt) / BLOCK_SIZE) + 1),
               enable_prefix_caching=False)
@@ -337,7 +345,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--schemes", default="none,gguf,int8,w8a8",
-                        help="jaxinfer weight schemes: none (float32), gguf, int8, int4, fp8, w8a8 (default %(default)s)")
+                        help="jaxinfer weight schemes: none (float32), gguf, int8, int4, fp8, w8a8, each optionally "
+                             "/KV for a KV cache dtype and :BACKEND for an attention backend, e.g. gguf/int8:jnp "
+                             "(default %(default)s)")
     parser.add_argument("--batch-sizes", default="1,8,32,64", help="decode batch sizes (default %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence when decoding")
     parser.add_argument("--output-len", type=int, default=64, help="greedy tokens per sequence (>= 2)")
@@ -363,7 +373,7 @@ def main() -> int:
 
     def log(row):
         ratio = "" if row["ratio_to_hf"] is None else f", {row['ratio_to_hf']:.2f}x HF"
-        print(f"  {row['engine']:<9} {row['config']:<7} batch {row['batch_size']:>3}: "
+        print(f"  {row['engine']:<9} {row['config']:<12} batch {row['batch_size']:>3}: "
               f"{row['decode_tokens_per_s']:8.1f} tok/s ({row['decode_step_ms']:.1f} ms/step{ratio})", flush=True)
 
     read_gbs = read_bandwidth_gbs(args.bandwidth_mb * 2**20)

@@ -276,9 +276,9 @@ def test_attention_over_quantized_cache(kv_cache_dtype, step, backend):
         # As the engine calls it: the step's own rows' K/V (what the pool now holds) handed in.
         new_k, new_v = (np.stack([held[s][p] for s, p in zip(meta.token_seq, meta.positions)]).astype(np.float32)
                         for held in (held_k, held_v))
-        again = paged_attention_reference(q, *gpu_pools, meta, layer_index=LAYER, k_scales=cache[2],
-                                          v_scales=cache[3], new_k=new_k, new_v=new_v)
-        np.testing.assert_array_equal(np.asarray(again, np.float64), out)
+        reads = [paged_attention_reference(q, *pools, meta, layer_index=LAYER, k_scales=cache[2], v_scales=cache[3],
+                                           new_k=new_k, new_v=new_v) for pools in (gpu_pools, cache[:2])]
+        np.testing.assert_array_equal(*reads)
 
     # 2. Within the worst-case bound of the same step over a float cache (see
     # quantized_attention_bound; 5e-5 is the float32 computation's own error).

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache in plain jnp (the "xla" backend).
+"""Attention over the paged KV cache in plain jnp (the "jnp" backend, and the
+"xla" backend's steps that the native CPU kernel does not serve).
 
 The engine flattens a step's tokens from many sequences into one row
 (prefill chunks and decode tokens together). Its cache is one pool of blocks
@@ -38,6 +39,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.models import cpu_decode_attention
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.kv_cache import as_fp8, is_quantized, quantize_kv
 from jaxinfer.parallel.attention import shard_heads
@@ -260,14 +262,16 @@ def write_kv(kv_cache, layer_index, k, v, slot_mapping):
     )
 
 
-ATTENTION_BACKENDS = ("xla", "pallas", "pallas_interpret")
+ATTENTION_BACKENDS = ("xla", "jnp", "pallas", "pallas_interpret")
 
 
 def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, backend: str = "xla",
                           decode: bool = False, mesh=None) -> AttentionFn:
     """The model-facing attention over the paged cache (batch dim 1, tokens flattened).
 
-    backend "xla" is the plain-jnp tiled reference above. "pallas" runs the
+    backend "jnp" is the plain-jnp tiled reference above. "xla" is the same,
+    except that on the CPU decode steps run the native kernel
+    (models/cpu_decode_attention.py) where it can be built. "pallas" runs the
     Pallas kernels (GPU), "pallas_interpret" the same kernels in interpret mode
     (any platform, for tests). `decode` is static: the step holds exactly one
     new token per sequence (T == S, token i belongs to sequence i), which the
@@ -287,7 +291,9 @@ def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, bac
 
     def attend(q, k, v, kv_cache, layer_index):
         kv_cache, pools = _write_new_kv(kv_cache, layer_index, k, v, meta)
-        if backend == "xla":
+        if backend == "xla" and decode and _use_cpu_kernel(q, pools[0], mesh):
+            out = _cpu_kernel(q[0][:, None], pools, layer_index, meta, sliding_window)[:, 0]
+        elif backend in ("xla", "jnp"):
             k_pool, v_pool, k_scales, v_scales = pools
             out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index,
                                             k_scales=k_scales, v_scales=v_scales,
@@ -306,7 +312,8 @@ def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_wind
     query rows per sequence, flattened sequence-major (batch dim 1). Row
     positions are implied by context_len, as in the decode kernel, so a
     sequence with fewer drafts pads its rows at the end (engine/inputs.py).
-    "xla" runs multi_query_attention_reference; the Pallas backends the decode
+    "jnp" runs multi_query_attention_reference, "xla" the native CPU kernel
+    where it can (else the same reference); the Pallas backends the decode
     kernel, which takes a few query rows per sequence in exactly this layout.
     mesh: as in paged_cache_attention."""
 
@@ -321,7 +328,9 @@ def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_wind
         kv_cache, pools = _write_new_kv(kv_cache, layer_index, k, v, meta)
         num_tokens, num_heads, head_dim = q.shape[1:]
         per_seq = q[0].reshape(num_tokens // rows, rows, num_heads, head_dim)
-        if backend == "xla":
+        if backend == "xla" and _use_cpu_kernel(q, pools[0], mesh):
+            out = _cpu_kernel(per_seq, pools, layer_index, meta, sliding_window)
+        elif backend in ("xla", "jnp"):
             k_pool, v_pool, k_scales, v_scales = pools
             out = multi_query_attention_reference(per_seq, k_pool, v_pool, layer_index, meta.block_tables,
                                                   meta.context_lens, k_scales=k_scales, v_scales=v_scales,
@@ -331,6 +340,21 @@ def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_wind
         return out.reshape(1, num_tokens, num_heads, head_dim).astype(q.dtype), kv_cache
 
     return attend
+
+
+def _use_cpu_kernel(q, k_pool, mesh) -> bool:
+    """Whether the "xla" backend's decode / verification attention runs the
+    native CPU kernel (models/cpu_decode_attention.py) rather than the jnp
+    reference: on the CPU, on one device (GSPMD cannot split a custom call;
+    it would gather the pool), where the kernel could be built."""
+    return mesh is None and cpu_decode_attention.supports(q, k_pool)
+
+
+def _cpu_kernel(q, pools, layer_index, meta: PagedAttentionMetadata, sliding_window):
+    k_pool, v_pool, k_scales, v_scales = pools
+    return cpu_decode_attention.paged_decode_attention(q, k_pool, v_pool, layer_index, meta.block_tables,
+                                                       meta.context_lens, k_scales=k_scales, v_scales=v_scales,
+                                                       sliding_window=sliding_window)
 
 
 def stored_kv(x, storage_dtype, quantized: bool):

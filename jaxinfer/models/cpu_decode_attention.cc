@@ -1,0 +1,303 @@
+// Paged decode attention for XLA:CPU, called through the XLA FFI
+// (models/cpu_decode_attention.py builds and registers it).
+//
+// Why it exists: written in jnp, each tile of keys is gathered from the pool
+// into a fresh array, transposed for the batched dot, and only then
+// multiplied; on the 2-core dev VM those gather/transpose copies took ~70% of
+// attention's time and made it the largest part of a batch-32 decode step.
+// Here every key and value is read once, straight from the pool, and nothing
+// is written but the output.
+//
+// Shapes (the engine's cache layout, models/kv_cache.py):
+//   q             f32 [S, R, H, D]   R query rows per sequence, row i at
+//                                    position context_len - R + i
+//   k_pool/v_pool [L, NB, BS, KV, D] f32, bf16, int8, or fp8 e4m3fn bits (u8)
+//   k/v_scales    f32 [L, NB, BS, KV] for int8/fp8 pools (ignored otherwise)
+//   layer         s32 []             which layer of the pools
+//   block_tables  s32 [S, MAXB], context_lens s32 [S]
+//   out           f32 [S, R, H, D]   zeros for a sequence with context_len 0
+// sliding_window: 0 = none, else a query sees keys less than that far behind.
+//
+// Work: one task per (sequence, KV head): the scores of its R * G query rows
+// against every cached key (kept in a buffer, ~context_len floats a row), a
+// softmax per row, then the weighted sum of values. Tasks are shared between
+// the calling thread and XLA's intra-op thread pool.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxHeadDim = 512;
+
+float Fp8E4m3fnToFloat(uint8_t bits) {
+  const int sign = bits >> 7, exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
+  float value;
+  if (exponent == 0xF && mantissa == 0x7) {
+    value = std::numeric_limits<float>::quiet_NaN();
+  } else if (exponent == 0) {
+    value = std::ldexp(static_cast<float>(mantissa) / 8.0f, -6);
+  } else {
+    value = std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, exponent - 7);
+  }
+  return sign ? -value : value;
+}
+
+const float* Fp8Table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = Fp8E4m3fnToFloat(static_cast<uint8_t>(i));
+    return t;
+  }();
+  return table.data();
+}
+
+// One pool row (head_dim values of one token and KV head) as float32.
+struct RowReader {
+  ffi::DataType dtype;
+  const void* pool;
+  const float* scales;  // null for a float pool
+  int64_t row_bytes;    // bytes of one row (head_dim values)
+
+  // Returns a pointer to the row's float values (the pool itself for f32,
+  // otherwise `buffer`, filled).
+  const float* Read(int64_t row, int64_t head_dim, float* buffer) const {
+    const int64_t offset = row * head_dim;
+    switch (dtype) {
+      case ffi::DataType::F32:
+        return static_cast<const float*>(pool) + offset;
+      case ffi::DataType::BF16: {
+        const uint16_t* src = static_cast<const uint16_t*>(pool) + offset;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const uint32_t bits = static_cast<uint32_t>(src[d]) << 16;
+          std::memcpy(&buffer[d], &bits, sizeof(float));
+        }
+        return buffer;
+      }
+      case ffi::DataType::S8: {
+        const int8_t* src = static_cast<const int8_t*>(pool) + offset;
+        const float scale = scales[row];
+        for (int64_t d = 0; d < head_dim; ++d) buffer[d] = static_cast<float>(src[d]) * scale;
+        return buffer;
+      }
+      default: {  // U8: fp8 e4m3fn bits
+        const uint8_t* src = static_cast<const uint8_t*>(pool) + offset;
+        const float* table = Fp8Table();
+        const float scale = scales[row];
+        for (int64_t d = 0; d < head_dim; ++d) buffer[d] = table[src[d]] * scale;
+        return buffer;
+      }
+    }
+  }
+};
+
+struct Problem {
+  const float* q;
+  RowReader k, v;
+  const int32_t* block_tables;
+  const int32_t* context_lens;
+  float* out;
+  int64_t layer, num_blocks, block_size, num_kv_heads, head_dim, num_heads, rows, max_blocks, sliding_window;
+};
+
+// Calls visit(position, pool_row) for positions [0, end) of sequence `seq`
+// and KV head `kv_head`, a block at a time (no division per token).
+template <typename Visit>
+inline void ForEachKey(const Problem& p, int64_t seq, int64_t kv_head, int64_t end, int64_t row_bytes,
+                       const void* pool, Visit visit) {
+  const int32_t* table = p.block_tables + seq * p.max_blocks;
+  const int64_t block_rows = p.block_size * p.num_kv_heads;
+  const int64_t layer_row = p.layer * p.num_blocks * block_rows;
+  const int64_t num_blocks = (end + p.block_size - 1) / p.block_size;
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    // Blocks are scattered over the pool: ask for the next one while this
+    // one is read (the hardware prefetcher only follows a sequential stream).
+    if (j + 1 < num_blocks) {
+      const char* next = static_cast<const char*>(pool) + (layer_row + table[j + 1] * block_rows) * row_bytes;
+      for (int64_t b = 0; b < block_rows * row_bytes; b += 64) __builtin_prefetch(next + b);
+    }
+    const int64_t start = j * p.block_size;
+    const int64_t first_row = layer_row + table[j] * block_rows + kv_head;
+    const int64_t count = std::min(p.block_size, end - start);
+    for (int64_t t = 0; t < count; ++t) visit(start + t, first_row + t * p.num_kv_heads);
+  }
+}
+
+// Attention of sequence `seq`'s query rows for KV heads [head_begin,
+// head_end). Keys are visited token by token with the heads of a token side
+// by side, so the pool is read as the contiguous run it is (a block's tokens
+// are consecutive): reading one head's rows alone, strided, ran at ~5 GB/s.
+void AttendSequence(const Problem& p, int64_t seq, int64_t head_begin, int64_t head_end,
+                    std::vector<float>& scratch) {
+  const int64_t group = p.num_heads / p.num_kv_heads, head_dim = p.head_dim;
+  const int64_t rows_per_head = p.rows * group, num_heads = head_end - head_begin;
+  const int64_t num_rows = num_heads * rows_per_head;
+  const int64_t context_len = p.context_lens[seq];
+  // Row `row` = (h * rows + r) * group + g is query row r, head
+  // (head_begin + h) * group + g.
+  auto io_offset = [&](int64_t row) {
+    const int64_t h = row / rows_per_head, r = row % rows_per_head / group, g = row % group;
+    return ((seq * p.rows + r) * p.num_heads + (head_begin + h) * group + g) * head_dim;
+  };
+  if (context_len <= 0) {
+    for (int64_t row = 0; row < num_rows; ++row) std::fill_n(p.out + io_offset(row), head_dim, 0.0f);
+    return;
+  }
+  // scratch: queries (pre-scaled; later the output accumulators), then scores.
+  scratch.resize(num_rows * (head_dim + context_len));
+  float* queries = scratch.data();
+  float* scores = queries + num_rows * head_dim;
+  const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  std::vector<int64_t> first(num_rows), last(num_rows);  // a row sees keys [first, last)
+  for (int64_t row = 0; row < num_rows; ++row) {
+    const float* q = p.q + io_offset(row);
+    for (int64_t d = 0; d < head_dim; ++d) queries[row * head_dim + d] = q[d] * softmax_scale;
+    const int64_t query_pos = context_len - p.rows + row % rows_per_head / group;
+    first[row] = p.sliding_window > 0 ? std::max<int64_t>(0, query_pos - p.sliding_window + 1) : 0;
+    last[row] = std::max(first[row], std::min<int64_t>(context_len, query_pos + 1));
+  }
+  float buffer[kMaxHeadDim];
+  ForEachKey(p, seq, head_begin, context_len, p.k.row_bytes, p.k.pool, [&](int64_t pos, int64_t pool_row) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float* key = p.k.Read(pool_row + h, head_dim, buffer);
+      for (int64_t row = h * rows_per_head; row < (h + 1) * rows_per_head; ++row) {
+        const float* q = queries + row * head_dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * key[d];
+        scores[row * context_len + pos] = dot;
+      }
+    }
+  });
+  // Softmax per row over its visible keys; the others get weight 0.
+  std::vector<float> inverse_sums(num_rows);
+  for (int64_t row = 0; row < num_rows; ++row) {
+    float* s = scores + row * context_len;
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int64_t pos = first[row]; pos < last[row]; ++pos) max_score = std::max(max_score, s[pos]);
+    float sum = 0.0f;
+    for (int64_t pos = 0; pos < context_len; ++pos) {
+      s[pos] = pos >= first[row] && pos < last[row] ? std::exp(s[pos] - max_score) : 0.0f;
+      sum += s[pos];
+    }
+    inverse_sums[row] = sum > 0.0f ? 1.0f / sum : 0.0f;
+  }
+  float* acc = queries;  // the queries are spent: accumulate the outputs there
+  std::fill_n(acc, num_rows * head_dim, 0.0f);
+  ForEachKey(p, seq, head_begin, context_len, p.v.row_bytes, p.v.pool, [&](int64_t pos, int64_t pool_row) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      const float* value = p.v.Read(pool_row + h, head_dim, buffer);
+      for (int64_t row = h * rows_per_head; row < (h + 1) * rows_per_head; ++row) {
+        const float weight = scores[row * context_len + pos];
+        float* o = acc + row * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * value[d];
+      }
+    }
+  });
+  for (int64_t row = 0; row < num_rows; ++row) {
+    float* o = p.out + io_offset(row);
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[row * head_dim + d] * inverse_sums[row];
+  }
+}
+
+// Tasks 0..num_tasks-1 shared by the caller and pool workers through an
+// atomic counter; the caller returns once every task has finished. A worker
+// the pool starts late finds nothing left and only touches the shared state,
+// which it co-owns.
+struct SharedWork {
+  Problem problem;
+  int64_t num_tasks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  int64_t heads_per_task;  // all of a sequence's KV heads, or one when sequences are too few to share out
+
+  void Drain() {
+    std::vector<float> scratch;
+    const int64_t tasks_per_seq = problem.num_kv_heads / heads_per_task;
+    for (int64_t task = next.fetch_add(1); task < num_tasks; task = next.fetch_add(1)) {
+      const int64_t head_begin = task % tasks_per_seq * heads_per_task;
+      AttendSequence(problem, task / tasks_per_seq, head_begin, head_begin + heads_per_task, scratch);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
+                                    ffi::AnyBuffer v_pool, ffi::Buffer<ffi::F32> k_scales,
+                                    ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> layer,
+                                    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> context_lens,
+                                    ffi::ResultBuffer<ffi::F32> out, int64_t sliding_window) {
+  const auto q_dims = q.dimensions();
+  const auto pool_dims = k_pool.dimensions();
+  if (q_dims.size() != 4 || pool_dims.size() != 5 || block_tables.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("paged decode attention: q must be 4-D, pools 5-D, block tables 2-D");
+  }
+  const ffi::DataType dtype = k_pool.element_type();
+  if (v_pool.element_type() != dtype ||
+      (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16 && dtype != ffi::DataType::S8 &&
+       dtype != ffi::DataType::U8)) {
+    return ffi::Error::InvalidArgument("paged decode attention: pools must both be f32, bf16, int8 or fp8 bits");
+  }
+  const bool quantized = dtype == ffi::DataType::S8 || dtype == ffi::DataType::U8;
+  Problem p;
+  p.q = q.typed_data();
+  const int64_t row_bytes = pool_dims[4] * static_cast<int64_t>(ffi::ByteWidth(dtype));
+  p.k = {dtype, k_pool.untyped_data(), quantized ? k_scales.typed_data() : nullptr, row_bytes};
+  p.v = {dtype, v_pool.untyped_data(), quantized ? v_scales.typed_data() : nullptr, row_bytes};
+  p.block_tables = block_tables.typed_data();
+  p.context_lens = context_lens.typed_data();
+  p.out = out->typed_data();
+  p.layer = layer.typed_data()[0];
+  p.num_blocks = pool_dims[1];
+  p.block_size = pool_dims[2];
+  p.num_kv_heads = pool_dims[3];
+  p.head_dim = pool_dims[4];
+  p.rows = q_dims[1];
+  p.num_heads = q_dims[2];
+  p.max_blocks = block_tables.dimensions()[1];
+  p.sliding_window = sliding_window;
+  if (q_dims[3] != p.head_dim || p.head_dim > kMaxHeadDim || p.num_heads % p.num_kv_heads != 0) {
+    return ffi::Error::InvalidArgument("paged decode attention: q's heads / head_dim do not match the pools");
+  }
+  const int64_t num_seqs = q_dims[0];
+  auto work = std::make_shared<SharedWork>();
+  work->problem = p;
+  const int64_t num_threads = std::max<int64_t>(1, thread_pool.num_threads());
+  work->heads_per_task = num_seqs >= 4 * num_threads ? p.num_kv_heads : 1;
+  work->num_tasks = num_seqs * (p.num_kv_heads / work->heads_per_task);
+  const int64_t helpers = std::min<int64_t>(num_threads, work->num_tasks - 1);
+  for (int64_t i = 0; i < helpers; ++i) {
+    thread_pool.Schedule([work] { work->Drain(); });
+  }
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < work->num_tasks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedDecodeAttention, PagedDecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // k_pool
+                                  .Arg<ffi::AnyBuffer>()         // v_pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // context_lens
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int64_t>("sliding_window"));
