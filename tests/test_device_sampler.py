@@ -15,6 +15,7 @@ import pytest
 from jaxinfer.engine.sampler import (
     SamplingMetadata,
     apply_penalties,
+    first_argmax,
     make_penalty_inputs,
     sample,
     sampling_logits,
@@ -371,3 +372,12 @@ def test_tiny_temperature_stays_finite_and_picks_a_maximum():
     filtered = np.asarray(FILTERED(logits, meta))
     assert kept(filtered[0]) == {1, 2} and kept(filtered[1]) == set(range(5))
     assert not np.any(np.isnan(filtered))
+
+
+def test_first_argmax_is_numpys_argmax_with_ties_nan_and_bools():
+    rng = np.random.default_rng(3)
+    ties = rng.integers(0, 3, (6, 40)).astype(np.float32)  # many tied maxima: the lowest index wins
+    special = np.array([[np.nan, 1, np.nan, 2], [-np.inf] * 4, [2, np.inf, np.inf, 1], [0, 0, 0, 0]], np.float32)
+    for x in (rng.standard_normal((4, 49152)).astype(np.float32), ties, special, rng.random((5, 30)) > 0.8,
+              np.zeros((2, 9), bool)):
+        np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))

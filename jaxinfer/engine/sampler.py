@@ -133,6 +133,17 @@ def _row_max(x: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """int32 index of each row's maximum, the lowest one on ties (NaN counts
+    as the maximum): jnp.argmax's answer, as a max and a min reduction.
+    XLA:CPU runs argmax's (value, index) reduction one element at a time:
+    3.3 ms over [32, 49152] against 0.6 ms for this form on the dev VM."""
+    row_max = x.max(-1, keepdims=True)
+    is_max = (x == row_max) | (jnp.isnan(x) & jnp.isnan(row_max))
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(is_max, ids, x.shape[-1]), axis=-1)  # some element is always the max
+
+
 def _order_key(f: jax.Array) -> jax.Array:
     # float32 -> uint32 whose unsigned order is the float order (-inf lowest).
     b = lax.bitcast_convert_type(f, jnp.uint32)
@@ -232,8 +243,8 @@ def _draw(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
     target = jax.vmap(uniform)(meta.seeds, meta.steps) * prefix[:, -1]
     chosen = (prefix >= target[:, None]) & (weight > 0)
-    # argmax finds the first True: the first positive token whose prefix reaches u * total.
-    return jnp.argmax(chosen, axis=-1).astype(jnp.int32)
+    # The first True: the first positive token whose prefix reaches u * total.
+    return first_argmax(chosen)
 
 
 def _logprobs(logits: jax.Array, tokens: jax.Array, k: int):
@@ -289,8 +300,8 @@ def sample(
             output_counts = jnp.zeros(logits.shape, jnp.int32)
         logits = apply_penalties(logits, prompt_mask, output_counts, meta)
 
-    # jnp.argmax returns the first maximum: the lowest id wins ties.
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The lowest id wins ties.
+    greedy_tokens = first_argmax(logits)
     greedy = meta.temperature <= 0.0
     tokens = lax.cond(
         jnp.all(greedy),

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.engine.sampler import SamplingMetadata, sample
+from jaxinfer.engine.sampler import SamplingMetadata, first_argmax, sample
 
 
 def verify(logits, draft_tokens, num_drafts, meta: SamplingMetadata):
@@ -51,7 +51,7 @@ def verify_greedy(logits, draft_tokens, num_drafts):
     """`verify` when every row is greedy, from the argmax alone: the same
     tokens and counts without the sampler's per-row filters (a CPU step pays
     several milliseconds for them over K + 1 rows of a large vocabulary)."""
-    return _accept_leading_matches(jnp.argmax(logits, axis=-1).astype(jnp.int32), draft_tokens, num_drafts)
+    return _accept_leading_matches(first_argmax(logits), draft_tokens, num_drafts)
 
 
 def _accept_leading_matches(own, draft_tokens, num_drafts):
