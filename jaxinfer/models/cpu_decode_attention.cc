@@ -137,9 +137,12 @@ inline void ForEachKey(const Problem& p, int64_t seq, int64_t kv_head, int64_t e
 // head_end). Keys are visited token by token with the heads of a token side
 // by side, so the pool is read as the contiguous run it is (a block's tokens
 // are consecutive): reading one head's rows alone, strided, ran at ~5 GB/s.
+// kHeadDim > 0 fixes head_dim at compile time (the common 64 and 128: the
+// inner loops then unroll completely); 0 reads it from the problem.
+template <int64_t kHeadDim>
 void AttendSequence(const Problem& p, int64_t seq, int64_t head_begin, int64_t head_end,
                     std::vector<float>& scratch) {
-  const int64_t group = p.num_heads / p.num_kv_heads, head_dim = p.head_dim;
+  const int64_t group = p.num_heads / p.num_kv_heads, head_dim = kHeadDim > 0 ? kHeadDim : p.head_dim;
   const int64_t rows_per_head = p.rows * group, num_heads = head_end - head_begin;
   const int64_t num_rows = num_heads * rows_per_head;
   const int64_t context_len = p.context_lens[seq];
@@ -228,7 +231,14 @@ struct SharedWork {
     const int64_t tasks_per_seq = problem.num_kv_heads / heads_per_task;
     for (int64_t task = next.fetch_add(1); task < num_tasks; task = next.fetch_add(1)) {
       const int64_t head_begin = task % tasks_per_seq * heads_per_task;
-      AttendSequence(problem, task / tasks_per_seq, head_begin, head_begin + heads_per_task, scratch);
+      const int64_t seq = task / tasks_per_seq, head_end = head_begin + heads_per_task;
+      if (problem.head_dim == 64) {
+        AttendSequence<64>(problem, seq, head_begin, head_end, scratch);
+      } else if (problem.head_dim == 128) {
+        AttendSequence<128>(problem, seq, head_begin, head_end, scratch);
+      } else {
+        AttendSequence<0>(problem, seq, head_begin, head_end, scratch);
+      }
       done.fetch_add(1, std::memory_order_release);
     }
   }
