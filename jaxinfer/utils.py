@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import logging
 import os
+import platform
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def bucket_size(n: int, minimum: int = 16) -> int:
@@ -40,3 +49,60 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _cache_enabled = True
+
+
+# -march=native: a native library is built on, and cached for, the machine that runs it.
+NATIVE_CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: part of a native library's cache key, since it
+    is compiled for them (a cache directory may outlive the machine)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.cache
+def native_library(source: str):
+    """A C++ XLA FFI kernel (`source`, a .cc file in the package) built with
+    the machine's compiler and loaded (ctypes.CDLL). Built once per source,
+    compiler, CPU and JAX version, cached under ~/.cache/jaxinfer/kernels
+    (or JAXINFER_KERNEL_CACHE_DIR). None, with a warning, where that cannot be
+    done (JAXINFER_CPU_KERNELS=0, no compiler, a failed build): callers then
+    run their jnp path."""
+    import ctypes
+
+    import jax
+
+    if os.environ.get("JAXINFER_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    name = Path(source).stem
+    if compiler is None:
+        logger.warning("no C++ compiler found: %s runs in jnp (slower); install g++", name)
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+        key = hashlib.sha256("\0".join([Path(source).read_text(), " ".join(NATIVE_CXXFLAGS), version, _cpu_flags(),
+                                        jax.ffi.include_dir(), jax.__version__]).encode()).hexdigest()[:16]
+        cache = Path(os.environ.get("JAXINFER_KERNEL_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer" / "kernels")
+        path = cache / f"{name}-{key}.so"
+        if not path.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            # Compile to a temporary name and rename: processes building at
+            # once never load a half-written library.
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                out = Path(tmp) / path.name
+                subprocess.run([compiler, *NATIVE_CXXFLAGS, f"-I{jax.ffi.include_dir()}", source, "-o", str(out)],
+                               capture_output=True, text=True, check=True)
+                os.replace(out, path)
+        return ctypes.cdll.LoadLibrary(str(path))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        logger.warning("could not build %s; it runs in jnp (slower):\n%s", name, detail[-2000:])
+        return None

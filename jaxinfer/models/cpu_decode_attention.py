@@ -1,6 +1,6 @@
 """Paged decode attention on CPU as a native XLA FFI kernel
 (cpu_decode_attention.cc), built from source with the machine's C++ compiler
-the first time it is needed and cached under ~/.cache/jaxinfer/kernels.
+the first time it is needed (jaxinfer/utils.py, native_library).
 
 Why native code: in jnp (models/paged_attention.py) each tile of keys is
 gathered into a new array and transposed for a batched dot; XLA:CPU runs
@@ -17,80 +17,25 @@ jnp reference runs instead, with a warning once.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from jaxinfer.utils import native_library
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_paged_decode_attention"
-# -march=native: the library is built on, and cached for, the machine that runs it.
-CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
 POOL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.int8), np.dtype(np.uint8))
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags: part of the cache key, since the library is
-    compiled for them (a cache directory may outlive the machine)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _library_path(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CXXFLAGS), version, _cpu_flags(),
-                                    jax.ffi.include_dir(), jax.__version__]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("JAXINFER_KERNEL_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer" / "kernels")
-    return cache / f"cpu_decode_attention-{key}.so"
-
-
-def _build(compiler: str) -> Path:
-    path = _library_path(compiler)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a temporary name and rename: processes building at once never
-    # load a half-written library.
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        out = Path(tmp) / path.name
-        subprocess.run([compiler, *CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)],
-                       capture_output=True, text=True, check=True)
-        os.replace(out, path)
-    return path
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernel is built and registered with XLA (built on first call)."""
-    if os.environ.get("JAXINFER_CPU_KERNELS", "1") == "0":
-        return False
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        logger.warning("no C++ compiler found: CPU decode attention runs in jnp (slower); install g++")
-        return False
-    try:
-        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        logger.warning("could not build the CPU decode attention kernel; running it in jnp (slower):\n%s",
-                       detail[-2000:])
+    library = native_library(str(SOURCE))
+    if library is None:
         return False
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.JaxinferPagedDecodeAttention),
                                 platform="cpu")
