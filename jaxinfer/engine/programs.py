@@ -109,13 +109,15 @@ def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, lora_slots
         rows = NamedSharding(mesh, PartitionSpec(CONTEXT_AXIS))
         tokens, positions = jax.lax.with_sharding_constraint((tokens, positions), rows)
     pre, kv_cache = forward(params, config, tokens[None], positions[None], attention, kv_cache,
-                            final_norm=False, lora_slots=None if lora_slots is None else lora_slots[None])
+                            final_norm=False, lora_slots=None if lora_slots is None else lora_slots[None],
+                            native_weights=mesh is None)
     hidden = rms_norm(pre[0], params["final_norm"], config.rms_norm_eps)
     # Logits only where a token is sampled. On a mesh they come out split on
     # vocab; the sampler needs whole rows, so gather them here, once, in a
     # sharding the sampler's programs are compiled for.
     features = pre[0] if with_features else None
-    return _gathered_logits(compute_logits(params, hidden[logits_indices]), mesh), features, kv_cache
+    logits = compute_logits(params, hidden[logits_indices], native_weights=mesh is None)
+    return _gathered_logits(logits, mesh), features, kv_cache
 
 
 @functools.partial(jax.jit, static_argnames=("full", "mesh"))

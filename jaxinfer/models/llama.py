@@ -35,6 +35,7 @@ from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq
 from jaxinfer.models.lora import lora_delta
 from jaxinfer.quant.linear import linear
+from jaxinfer.quant.tensor import LayerOf, QuantizedTensor
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -119,7 +120,7 @@ def mlp_hidden(p: dict, h, lora_slots=None):
 
 
 def forward(params: dict, config: ModelConfig, tokens, positions, attention: AttentionFn, kv_cache=None,
-            final_norm: bool = True, lora_slots=None):
+            final_norm: bool = True, lora_slots=None, native_weights: bool = True):
     """Run the transformer body.
 
     tokens, positions: int32 [B, T]. `attention` implements the attention of
@@ -131,19 +132,26 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
     states are the last layer's residual stream before the norm (the
     features an EAGLE draft head reads). lora_slots: None, or each token's
     adapter slot int32 [B, T], with the adapters' buffers in
-    params["layers"]["lora"] (lora/slots.py).
+    params["layers"]["lora"] (lora/slots.py). native_weights=False: never
+    hand quantized weights to the native CPU kernel (a mesh splits them).
     """
     c = config
     inv_freq = rope_inv_freq(c)
     x = embed_tokens(params, tokens)
+    # Quantized weights stay stacked and reach linear() as LayerOf (unless a
+    # mesh splits them): a native CPU kernel reads its layer in place, where
+    # a slice would be copied for it (quant/cpu_matmul.py).
+    stacked = {k: w for k, w in params["layers"].items() if native_weights and isinstance(w, QuantizedTensor)}
+    sliced = {k: w for k, w in params["layers"].items() if k not in stacked}
 
     def layer(carry, per_layer):
         x, kv_cache = carry
         p, layer_index = per_layer
+        p = {**p, **{k: LayerOf(w, layer_index) for k, w in stacked.items()}}
         return decoder_layer(p, c, x, positions, inv_freq, attention, kv_cache, layer_index, lora_slots), None
 
     layer_indices = jnp.arange(c.num_layers, dtype=jnp.int32)
-    (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), (params["layers"], layer_indices))
+    (x, kv_cache), _ = jax.lax.scan(layer, (x, kv_cache), (sliced, layer_indices))
     if not final_norm:
         return x, kv_cache
     return rms_norm(x, params["final_norm"], c.rms_norm_eps), kv_cache
@@ -161,11 +169,15 @@ def embed_tokens(params: dict, tokens):
     return (columns * head.scales[0][tokens][..., None]).astype(params["final_norm"].dtype)
 
 
-def compute_logits(params: dict, hidden):
+def compute_logits(params: dict, hidden, native_weights: bool = True):
     """Project hidden states to float32 vocabulary logits (tied or untied head;
-    a quantized head of tied embeddings is stored as lm_head too)."""
+    a quantized head of tied embeddings is stored as lm_head too).
+    native_weights: as in forward."""
     if "lm_head" in params:
-        logits = linear(hidden, params["lm_head"])
+        head = params["lm_head"]
+        if native_weights and isinstance(head, QuantizedTensor) and head.data.ndim == 2:
+            head = LayerOf(jax.tree.map(lambda a: a[None], head), jnp.int32(0))  # a free reshape
+        logits = linear(hidden, head)
     else:
         logits = jnp.einsum("...d,vd->...v", hidden, params["embed"])
     return logits.astype(jnp.float32)

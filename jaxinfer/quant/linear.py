@@ -48,7 +48,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.quant.schemes import absmax_int8
-from jaxinfer.quant.tensor import QuantizedTensor, dequantize, unpack_int4
+from jaxinfer.quant import cpu_matmul
+from jaxinfer.quant.tensor import LayerOf, QuantizedTensor, dequantize, unpack_int4
 
 # Rows up to which the fused kernel is used on GPU (decode batches). A matmul
 # of `rows` rows does 2 * rows flops per weight; the kernel reads 0.5 (int4)
@@ -63,8 +64,16 @@ PALLAS_MAX_ROWS = 64
 def linear(x: jax.Array, w) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] in x.dtype.
 
-    w: an array, or a QuantizedTensor [in, out] (or with leading layer axes,
-    which broadcast like `x @ w`)."""
+    w: an array, a QuantizedTensor [in, out] (or with leading layer axes,
+    which broadcast like `x @ w`), or one layer of stacked ones (LayerOf)."""
+    rows = math.prod(x.shape[:-1])
+    if isinstance(w, LayerOf):
+        # Only single-device programs hand over LayerOf (models/llama.py): GSPMD
+        # cannot split the kernel's custom call and would gather the weight.
+        if cpu_matmul.supports(rows, w.stacked):
+            y = cpu_matmul.quantized_matmul(x.reshape(rows, -1), w.stacked, w.index)
+            return y.astype(x.dtype).reshape(*x.shape[:-1], w.stacked.out_features)
+        w = w.layer()
     if not isinstance(w, QuantizedTensor):
         return x @ w
     if x.shape[-1] != w.in_features:
@@ -74,7 +83,6 @@ def linear(x: jax.Array, w) -> jax.Array:
     if w.data.ndim != 2:
         return jnp.matmul(x, dequantize(w, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     lead = x.shape[:-1]
-    rows = math.prod(lead)
     x2d = x.reshape(rows, w.in_features)
     y = None
     if jax.default_backend() == "gpu" and rows <= PALLAS_MAX_ROWS:

@@ -67,6 +67,21 @@ class QuantizedTensor:
         return sum(p.size * p.dtype.itemsize for p in parts)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerOf:
+    """Layer `index` (traced) of a stacked QuantizedTensor [layers, ...],
+    left unsliced: what the model's layer scan hands linear() for quantized
+    weights, so that a native kernel can read the layer in place
+    (quant/cpu_matmul.py). Every other path takes `layer()`, the slice a
+    scan over the stacked weights would have given."""
+    stacked: QuantizedTensor
+    index: jax.Array
+
+    def layer(self) -> QuantizedTensor:
+        return jax.tree.map(lambda a: a[self.index], self.stacked)
+
+
 def unpack_int4(packed: jax.Array) -> jax.Array:
     """uint8 [..., in // 2, out] -> uint8 [..., in, out] with values 0..15 (rows interleaved back)."""
     low = packed & 0x0F

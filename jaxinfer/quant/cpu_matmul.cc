@@ -1,0 +1,190 @@
+// Few-row matmul of float32 activations by grouped int8 / int4 weights for
+// XLA:CPU, through the XLA FFI (quant/cpu_matmul.py builds and registers it).
+//
+// Why it exists: XLA does not fuse a convert into a dot, so quant/linear.py's
+// XLA path writes a float32 copy of every weight on every call; at 1-8 rows
+// (decode at batch 1, speculative verification) that copy is the step. Here
+// the codes are read once, in place, from the stacked weights of all layers
+// (a per-layer slice handed to a custom call would itself be copied by XLA).
+//
+//   x        f32 [R, in]
+//   data     int8 [L, in, out], or uint8 [L, in / 2, out] for int4: row 2j
+//            in the low nibble of byte row j, row 2j + 1 in the high nibble
+//   scales   f32 [L, in / group, out]; offsets the same, or [1] for none
+//   layer    s32 []
+//   out      f32 [R, out]:  y[r, o] = sum_i x[r, i] * (q[i, o] * scale[g, o] + offset[g, o]),  g = i / group
+//
+// Computed per group as scale * (x . q) + offset * sum(x): the same real
+// numbers as the dequantized weight, rounded in another order.
+//
+// Work: the output columns are cut into chunks shared by the calling thread
+// and XLA's intra-op pool; a chunk streams its columns of each weight row in
+// order, so the weights are read sequentially.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;
+constexpr int64_t kChunk = 256;  // output columns per task
+
+struct Problem {
+  const float* x;
+  const void* data;
+  const float* scales;
+  const float* offsets;  // null: none
+  float* out;
+  bool int4;
+  int64_t rows, in, out_features, group, layer;
+};
+
+// Columns [begin, end) of every row. partial[r][c] accumulates x . q over
+// the current group while the group's weight rows stream by in order; the
+// group's scale and offset then fold it into the result.
+template <int64_t kRows>
+void MatmulColumns(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t width = end - begin, num_groups = p.in / p.group;
+  float partial[kRows][kChunk];
+  float result[kRows][kChunk] = {};
+  const int64_t data_rows = p.int4 ? p.in / 2 : p.in;
+  const int64_t layer_data = p.layer * data_rows * p.out_features;
+  const int64_t layer_scales = p.layer * num_groups * p.out_features;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    for (int64_t r = 0; r < kRows; ++r) std::fill_n(partial[r], width, 0.0f);
+    float x_sums[kRows] = {};
+    if (p.int4) {
+      const uint8_t* codes = static_cast<const uint8_t*>(p.data) + layer_data;
+      for (int64_t j = g * p.group / 2; j < (g + 1) * p.group / 2; ++j) {
+        const uint8_t* row = codes + j * p.out_features + begin;
+        float x_low[kRows], x_high[kRows];
+        for (int64_t r = 0; r < kRows; ++r) {
+          x_low[r] = p.x[r * p.in + 2 * j];
+          x_high[r] = p.x[r * p.in + 2 * j + 1];
+          x_sums[r] += x_low[r] + x_high[r];
+        }
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) {
+          const float low = static_cast<float>(row[c] & 0x0F), high = static_cast<float>(row[c] >> 4);
+          for (int64_t r = 0; r < kRows; ++r) partial[r][c] += x_low[r] * low + x_high[r] * high;
+        }
+      }
+    } else {
+      const int8_t* codes = static_cast<const int8_t*>(p.data) + layer_data;
+      for (int64_t i = g * p.group; i < (g + 1) * p.group; ++i) {
+        const int8_t* row = codes + i * p.out_features + begin;
+        float xs[kRows];
+        for (int64_t r = 0; r < kRows; ++r) {
+          xs[r] = p.x[r * p.in + i];
+          x_sums[r] += xs[r];
+        }
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) {
+          const float q = static_cast<float>(row[c]);
+          for (int64_t r = 0; r < kRows; ++r) partial[r][c] += xs[r] * q;
+        }
+      }
+    }
+    const float* scale = p.scales + layer_scales + g * p.out_features + begin;
+    const float* offset = p.offsets ? p.offsets + layer_scales + g * p.out_features + begin : nullptr;
+    for (int64_t r = 0; r < kRows; ++r) {
+      if (offset) {
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) result[r][c] += scale[c] * partial[r][c] + offset[c] * x_sums[r];
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < width; ++c) result[r][c] += scale[c] * partial[r][c];
+      }
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) std::copy_n(result[r], width, p.out + r * p.out_features + begin);
+}
+
+void MatmulChunk(const Problem& p, int64_t chunk) {
+  const int64_t begin = chunk * kChunk, end = std::min(p.out_features, begin + kChunk);
+  switch (p.rows) {
+    case 1: return MatmulColumns<1>(p, begin, end);
+    case 2: return MatmulColumns<2>(p, begin, end);
+    case 3: return MatmulColumns<3>(p, begin, end);
+    case 4: return MatmulColumns<4>(p, begin, end);
+    case 5: return MatmulColumns<5>(p, begin, end);
+    case 6: return MatmulColumns<6>(p, begin, end);
+    case 7: return MatmulColumns<7>(p, begin, end);
+    default: return MatmulColumns<8>(p, begin, end);
+  }
+}
+
+// As in cpu_decode_attention.cc: chunks shared through an atomic counter by
+// the caller and pool workers, which co-own this state.
+struct SharedWork {
+  Problem problem;
+  int64_t num_chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Drain() {
+    for (int64_t chunk = next.fetch_add(1); chunk < num_chunks; chunk = next.fetch_add(1)) {
+      MatmulChunk(problem, chunk);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                               ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets,
+                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t group_size,
+                               bool has_offsets) {
+  const auto x_dims = x.dimensions();
+  const auto data_dims = data.dimensions();
+  if (x_dims.size() != 2 || data_dims.size() != 3) {
+    return ffi::Error::InvalidArgument("quantized matmul: x must be [rows, in], data [layers, in(/2), out]");
+  }
+  Problem p;
+  p.int4 = data.element_type() == ffi::DataType::U8;
+  if (!p.int4 && data.element_type() != ffi::DataType::S8) {
+    return ffi::Error::InvalidArgument("quantized matmul: data must be int8 or uint8 (packed int4)");
+  }
+  p.x = x.typed_data();
+  p.data = data.untyped_data();
+  p.scales = scales.typed_data();
+  p.offsets = has_offsets ? offsets.typed_data() : nullptr;
+  p.out = out->typed_data();
+  p.rows = x_dims[0];
+  p.in = x_dims[1];
+  p.out_features = data_dims[2];
+  p.group = group_size;
+  p.layer = layer.typed_data()[0];
+  if (p.rows < 1 || p.rows > kMaxRows || p.in != data_dims[1] * (p.int4 ? 2 : 1) || p.group <= 0 ||
+      p.in % p.group != 0 || (p.int4 && p.group % 2 != 0)) {
+    return ffi::Error::InvalidArgument("quantized matmul: shapes do not match (rows <= 8, whole groups)");
+  }
+  auto work = std::make_shared<SharedWork>();
+  work->problem = p;
+  work->num_chunks = (p.out_features + kChunk - 1) / kChunk;
+  const int64_t helpers = std::min<int64_t>(thread_pool.num_threads(), work->num_chunks - 1);
+  for (int64_t i = 0; i < helpers; ++i) thread_pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < work->num_chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantizedMatmul, QuantizedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::AnyBuffer>()         // data
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // offsets
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<bool>("has_offsets"));

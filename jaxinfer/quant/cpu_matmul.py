@@ -1,0 +1,59 @@
+"""Few-row matmuls by grouped int8 / int4 weights on CPU as a native XLA FFI
+kernel (cpu_matmul.cc), built with the machine's C++ compiler on first use
+(jaxinfer/utils.py, native_library).
+
+Why native code: XLA does not fuse a convert into a dot, so the XLA path
+(quant/linear.py) writes a float32 copy of each weight on every call, which
+at 1-8 rows (decode at batch 1, speculative verification) is most of the
+step. The kernel reads the codes once, in place, from the stacked weights
+of every layer plus a layer index (quant/tensor.py, LayerOf): a per-layer
+slice handed to a custom call would be copied by XLA first.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.quant.tensor import QuantizedTensor
+from jaxinfer.utils import native_library
+
+SOURCE = Path(__file__).with_suffix(".cc")
+TARGET_NAME = "jaxinfer_quantized_matmul"
+MAX_ROWS = 8  # more rows: the XLA path, where the float copy is shared by enough rows to pay
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA (built on first call)."""
+    library = native_library(str(SOURCE))
+    if library is None:
+        return False
+    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.JaxinferQuantizedMatmul), platform="cpu")
+    return True
+
+
+def supports(rows: int, w: QuantizedTensor) -> bool:
+    """Whether the kernel serves x [rows, in] @ w (w with at most one leading
+    layer axis) on this backend."""
+    return (jax.default_backend() == "cpu" and 1 <= rows <= MAX_ROWS and w.scheme in ("int8", "int4")
+            and w.data.ndim in (2, 3) and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
+
+
+def quantized_matmul(x, w: QuantizedTensor, layer_index=0) -> jax.Array:
+    """x [rows, in] @ layer `layer_index` of w -> float32 [rows, out]; w is
+    [in, out] or stacked [layers, in, out] (read in place either way)."""
+    if not available():
+        raise RuntimeError("the CPU quantized matmul kernel is not available here (see the warning above)")
+    data, scales, offsets = w.data, w.scales, w.offsets
+    if data.ndim == 2:  # a leading axis of 1 is a free reshape, not a copy
+        data, scales = data[None], scales[None]
+        offsets = None if offsets is None else offsets[None]
+    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32))
+    return call(x.astype(jnp.float32), data, scales, jnp.zeros((1,), jnp.float32) if offsets is None else offsets,
+                jnp.asarray(layer_index, jnp.int32), group_size=np.int64(w.group_size),
+                has_offsets=offsets is not None)

@@ -1,0 +1,100 @@
+"""The native CPU few-row matmul (quant/cpu_matmul.cc) against float64 numpy
+on weights dequantized independently here (own nibble order, scale and
+offset expansion), for int4 and int8 codes, grouped and per channel, with
+and without offsets, 1-8 rows, and a layer index into stacked weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.models.llama import forward
+from jaxinfer.quant import cpu_matmul
+from jaxinfer.quant.linear import linear
+from jaxinfer.quant.tensor import LayerOf, QuantizedTensor, pack_int4
+
+
+def test_kernel_builds_here():
+    # Not a skip: CI has g++, and without the kernel decode silently takes the slow path.
+    assert cpu_matmul.available()
+
+
+def random_stacked_weight(rng, scheme, layers, in_features, out_features, group_size, offsets):
+    """(QuantizedTensor [layers, ...], its float64 value [layers, in, out]) from random codes."""
+    groups = in_features // group_size
+    scales = rng.random((layers, groups, out_features)).astype(np.float32) * 0.1
+    shift = rng.standard_normal((layers, groups, out_features)).astype(np.float32) * 0.1 if offsets else None
+    if scheme == "int4":
+        codes = rng.integers(0, 16, (layers, in_features, out_features)).astype(np.uint8)
+        data = pack_int4(jnp.asarray(codes))
+    else:
+        codes = rng.integers(-127, 128, (layers, in_features, out_features)).astype(np.int8)
+        data = jnp.asarray(codes)
+    value = codes.astype(np.float64) * np.repeat(scales, group_size, axis=1)
+    if offsets:
+        value += np.repeat(shift, group_size, axis=1)
+    tensor = QuantizedTensor(data, jnp.asarray(scales), None if shift is None else jnp.asarray(shift), scheme,
+                             group_size)
+    return tensor, value
+
+
+@pytest.mark.parametrize("scheme,group_size,offsets", [("int4", 32, True), ("int8", 32, False), ("int8", 16, True),
+                                                       ("int8", 576, False), ("int4", 576, True)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_matches_float64(scheme, group_size, offsets, rows):
+    rng = np.random.default_rng(rows + group_size)
+    # 1000 columns: several chunks of 256 and a partial one.
+    w, value = random_stacked_weight(rng, scheme, 3, 576, 1000, group_size, offsets)
+    x = rng.standard_normal((rows, 576)).astype(np.float32)
+    run = jax.jit(cpu_matmul.quantized_matmul)
+    for layer in (0, 2):
+        expected = x.astype(np.float64) @ value[layer]
+        np.testing.assert_allclose(np.asarray(run(x, w, layer)), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_linear_hands_layer_of_to_the_kernel_and_the_rest_to_xla():
+    """linear() on LayerOf runs the kernel up to 8 rows and the XLA path (on
+    the sliced layer) past that: the same values either way."""
+    rng = np.random.default_rng(0)
+    w, value = random_stacked_weight(rng, "int4", 2, 64, 48, 32, True)
+    for rows in (3, 9):
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        fn = jax.jit(lambda x, w, i: linear(x, LayerOf(w, i)))
+        hlo = fn.lower(x, w, jnp.int32(1)).as_text()
+        assert (cpu_matmul.TARGET_NAME in hlo) == (rows <= cpu_matmul.MAX_ROWS)
+        np.testing.assert_allclose(np.asarray(fn(x, w, jnp.int32(1))), np.asarray(x, np.float64) @ value[1],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_model_forward_uses_the_kernel_only_when_allowed(tiny_llama_quantized):
+    """A decode-sized forward of a quantized model reads its stacked layers
+    through the kernel; native_weights=False (a mesh) never does, and both
+    give the same logits."""
+    params, config = tiny_llama_quantized
+    tokens = jnp.asarray([[5, 9]], jnp.int32)
+    positions = jnp.asarray([[0, 1]], jnp.int32)
+
+    def run(native):
+        from jaxinfer.models.attention import full_sequence_attention
+
+        fn = jax.jit(lambda p, t: forward(p, config, t, positions, full_sequence_attention(positions),
+                                          native_weights=native)[0])
+        return fn.lower(params, tokens).as_text(), np.asarray(fn(params, tokens))
+
+    (native_hlo, native_out), (xla_hlo, xla_out) = run(True), run(False)
+    assert cpu_matmul.TARGET_NAME in native_hlo and cpu_matmul.TARGET_NAME not in xla_hlo
+    np.testing.assert_allclose(native_out, xla_out, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_quantized():
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.models.llama import param_shapes
+    from jaxinfer.quant.params import quantize_params
+
+    config = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda shape: jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32),
+                          param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    return quantize_params(params, "int4", include_head=True), config
