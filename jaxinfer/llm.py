@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
+import jax
 from tqdm.auto import tqdm
 
 from jaxinfer.engine.config import EngineConfig
@@ -64,6 +66,7 @@ class LLM:
             check_data_parallel_hosts(data_parallel_size)
             meshes = replica_meshes(tensor_parallel_size or 1, data_parallel_size,
                                     context_parallel_size=context_parallel_size or 1)
+        _start_cpu_kernel_builds()
         self.model = load(model, dtype=dtype, progress=progress, quantization=quantization, mesh=meshes[0])
         self.tokenizer = self.model.tokenizer
         if engine_options.get("max_model_len") is None:
@@ -187,3 +190,16 @@ class LLM:
         program (the engine option background_compile): until then a step may
         run in a larger bucket than its own, and compilation shares the CPU."""
         self.engine.wait_compiled()
+
+
+def _start_cpu_kernel_builds() -> None:
+    """On CPU, build (or load, once cached) the native kernels on threads while
+    the weights load: the first run on a machine compiles each for ~2 s, which
+    would otherwise land, one after the other, on warm-up's first trace."""
+    if jax.default_backend() != "cpu":
+        return
+    from jaxinfer.models import cpu_decode_attention
+    from jaxinfer.quant import cpu_matmul
+
+    for available in (cpu_decode_attention.available, cpu_matmul.available):
+        threading.Thread(target=available, daemon=True).start()

@@ -18,6 +18,7 @@ jnp reference runs instead, with a warning once.
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 import jax
@@ -31,15 +32,23 @@ TARGET_NAME = "jaxinfer_paged_decode_attention"
 POOL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.int8), np.dtype(np.uint8))
 
 
+_build_lock = threading.Lock()  # LLM() may start the build on a thread while a trace asks
+
+
 @functools.cache
-def available() -> bool:
-    """Whether the kernel is built and registered with XLA (built on first call)."""
+def _available() -> bool:
     library = native_library(str(SOURCE))
     if library is None:
         return False
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.JaxinferPagedDecodeAttention),
                                 platform="cpu")
     return True
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA (built on first call)."""
+    with _build_lock:
+        return _available()
 
 
 def supports(q, k_pool) -> bool:

@@ -13,6 +13,7 @@ slice handed to a custom call would be copied by XLA first.
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 import jax
@@ -27,14 +28,22 @@ TARGET_NAME = "jaxinfer_quantized_matmul"
 MAX_ROWS = 8  # more rows: the XLA path, where the float copy is shared by enough rows to pay
 
 
+_build_lock = threading.Lock()  # LLM() may start the build on a thread while a trace asks
+
+
 @functools.cache
-def available() -> bool:
-    """Whether the kernel is built and registered with XLA (built on first call)."""
+def _available() -> bool:
     library = native_library(str(SOURCE))
     if library is None:
         return False
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.JaxinferQuantizedMatmul), platform="cpu")
     return True
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered with XLA (built on first call)."""
+    with _build_lock:
+        return _available()
 
 
 def supports(rows: int, w: QuantizedTensor) -> bool:
