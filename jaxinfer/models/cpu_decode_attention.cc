@@ -287,7 +287,9 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi
   const int64_t num_threads = std::max<int64_t>(1, thread_pool.num_threads());
   work->heads_per_task = num_seqs >= 4 * num_threads ? p.num_kv_heads : 1;
   work->num_tasks = num_seqs * (p.num_kv_heads / work->heads_per_task);
-  const int64_t helpers = std::min<int64_t>(num_threads, work->num_tasks - 1);
+  // One helper fewer than the pool has threads, as in cpu_matmul.cc: a third
+  // runnable thread on two cores cost a batch-1 step more than it gained.
+  const int64_t helpers = std::min<int64_t>(num_threads - 1, work->num_tasks - 1);
   for (int64_t i = 0; i < helpers; ++i) {
     thread_pool.Schedule([work] { work->Drain(); });
   }
