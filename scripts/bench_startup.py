@@ -2,7 +2,8 @@
 
 Each measurement is its own process (`python -c`), so imports, loading and
 compilation all count, as they do for a user. Two cache states: "cold" (an
-empty compilation cache directory) and "warm" (the same directory again).
+empty compilation cache directory, and no native CPU kernel built yet) and
+"warm" (the same directory again).
 Configurations are interleaved round by round, so drift of the VM hits all
 of them alike; medians are printed and every run goes to JSON.
 
@@ -38,7 +39,10 @@ print("RESULT", imported - start, ready - start, first - start, flush=True)
 
 
 def run_child(tree: str, cache_dir: str, keywords: str) -> dict:
-    env = dict(os.environ, JAXINFER_CACHE_DIR=cache_dir, PYTHONPATH=os.path.abspath(tree))
+    # The native CPU kernels' build cache lives in the same directory: "cold" is a
+    # machine's very first run, with nothing compiled by XLA or by g++.
+    env = dict(os.environ, JAXINFER_CACHE_DIR=cache_dir, JAXINFER_KERNEL_CACHE_DIR=os.path.join(cache_dir, "kernels"),
+               PYTHONPATH=os.path.abspath(tree))
     env.pop("JAXINFER_DISABLE_COMPILATION_CACHE", None)
     out = subprocess.run([sys.executable, "-c", CHILD.format(options=keywords)], env=env, cwd=tree,
                          capture_output=True, text=True, check=True)
