@@ -10,6 +10,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -106,3 +107,30 @@ def native_library(source: str):
         detail = getattr(error, "stderr", "") or str(error)
         logger.warning("could not build %s; it runs in jnp (slower):\n%s", name, detail[-2000:])
         return None
+
+
+_registration_locks: dict[str, threading.Lock] = {}
+_registration_locks_lock = threading.Lock()
+
+
+def native_ffi_target(source: str, symbol: str, target_name: str) -> bool:
+    """Build and load `source` (native_library) and register its handler
+    `symbol` with XLA's CPU platform as `target_name`, once per process;
+    False where it cannot be built. Thread-safe: LLM() starts the builds on
+    threads while a trace may already ask (a second caller waits for the
+    first, builds of different sources run side by side)."""
+    with _registration_locks_lock:
+        lock = _registration_locks.setdefault(target_name, threading.Lock())
+    with lock:
+        return _register(source, symbol, target_name)
+
+
+@functools.cache
+def _register(source: str, symbol: str, target_name: str) -> bool:
+    import jax
+
+    library = native_library(source)
+    if library is None:
+        return False
+    jax.ffi.register_ffi_target(target_name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return True

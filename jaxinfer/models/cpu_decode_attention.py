@@ -17,38 +17,22 @@ jnp reference runs instead, with a warning once.
 
 from __future__ import annotations
 
-import functools
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.utils import native_library
+from jaxinfer.utils import native_ffi_target
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_paged_decode_attention"
 POOL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.int8), np.dtype(np.uint8))
 
 
-_build_lock = threading.Lock()  # LLM() may start the build on a thread while a trace asks
-
-
-@functools.cache
-def _available() -> bool:
-    library = native_library(str(SOURCE))
-    if library is None:
-        return False
-    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.JaxinferPagedDecodeAttention),
-                                platform="cpu")
-    return True
-
-
 def available() -> bool:
     """Whether the kernel is built and registered with XLA (built on first call)."""
-    with _build_lock:
-        return _available()
+    return native_ffi_target(str(SOURCE), "JaxinferPagedDecodeAttention", TARGET_NAME)
 
 
 def supports(q, k_pool) -> bool:

@@ -12,8 +12,6 @@ slice handed to a custom call would be copied by XLA first.
 
 from __future__ import annotations
 
-import functools
-import threading
 from pathlib import Path
 
 import jax
@@ -21,29 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.quant.tensor import QuantizedTensor
-from jaxinfer.utils import native_library
+from jaxinfer.utils import native_ffi_target
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_quantized_matmul"
 MAX_ROWS = 8  # more rows: the XLA path, where the float copy is shared by enough rows to pay
 
 
-_build_lock = threading.Lock()  # LLM() may start the build on a thread while a trace asks
-
-
-@functools.cache
-def _available() -> bool:
-    library = native_library(str(SOURCE))
-    if library is None:
-        return False
-    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(library.JaxinferQuantizedMatmul), platform="cpu")
-    return True
-
-
 def available() -> bool:
     """Whether the kernel is built and registered with XLA (built on first call)."""
-    with _build_lock:
-        return _available()
+    return native_ffi_target(str(SOURCE), "JaxinferQuantizedMatmul", TARGET_NAME)
 
 
 def supports(rows: int, w: QuantizedTensor) -> bool:
