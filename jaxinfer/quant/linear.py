@@ -35,6 +35,10 @@ per-group dots for bf16 inputs with a float32 result.
                            Because the int32 accumulation is exact, a row's
                            result does not depend on the rows beside it.
 
+CPU decode (1-8 rows, int8 / int4 grouped): the native kernel in
+quant/cpu_matmul.py, for weights handed over as LayerOf (one layer of the
+stacked weights, read in place; models/llama.py does so on one device).
+
 GPU decode (few rows): the fused Pallas kernel in
 pallas_kernels/quantized_matmul.py where it supports the weight, chosen at
 trace time.
@@ -47,8 +51,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.quant.schemes import absmax_int8
 from jaxinfer.quant import cpu_matmul
+from jaxinfer.quant.schemes import absmax_int8
 from jaxinfer.quant.tensor import LayerOf, QuantizedTensor, dequantize, unpack_int4
 
 # Rows up to which the fused kernel is used on GPU (decode batches). A matmul
