@@ -54,6 +54,8 @@ def enable_compilation_cache() -> None:
 
 # -march=native: a native library is built on, and cached for, the machine that runs it.
 NATIVE_CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
+# The headers every kernel may include, as "jaxinfer/<name>" (part of each build's cache key).
+NATIVE_HEADERS = (Path(__file__).with_name("cpu_parallel.h"),)
 
 
 def _cpu_flags() -> str:
@@ -68,7 +70,6 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-@functools.cache
 def native_library(source: str):
     """A C++ XLA FFI kernel (`source`, a .cc file in the package) built with
     the machine's compiler and loaded (ctypes.CDLL). Built once per source,
@@ -89,7 +90,8 @@ def native_library(source: str):
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256("\0".join([Path(source).read_text(), " ".join(NATIVE_CXXFLAGS), version, _cpu_flags(),
+        texts = [Path(source).read_text(), *(header.read_text() for header in NATIVE_HEADERS)]
+        key = hashlib.sha256("\0".join([*texts, " ".join(NATIVE_CXXFLAGS), version, _cpu_flags(),
                                         jax.ffi.include_dir(), jax.__version__]).encode()).hexdigest()[:16]
         cache = Path(os.environ.get("JAXINFER_KERNEL_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer" / "kernels")
         path = cache / f"{name}-{key}.so"
@@ -99,7 +101,8 @@ def native_library(source: str):
             # once never load a half-written library.
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 out = Path(tmp) / path.name
-                subprocess.run([compiler, *NATIVE_CXXFLAGS, f"-I{jax.ffi.include_dir()}", source, "-o", str(out)],
+                includes = [f"-I{jax.ffi.include_dir()}", f"-I{Path(__file__).parent.parent}"]
+                subprocess.run([compiler, *NATIVE_CXXFLAGS, *includes, source, "-o", str(out)],
                                capture_output=True, text=True, check=True)
                 os.replace(out, path)
         return ctypes.cdll.LoadLibrary(str(path))

@@ -21,17 +21,15 @@
 // Work: one task per (sequence, KV head): the scores of its R * G query rows
 // against every cached key (kept in a buffer, ~context_len floats a row), a
 // softmax per row, then the weighted sum of values. Tasks are shared between
-// the calling thread and XLA's intra-op thread pool.
+// the calling thread and XLA's intra-op thread pool (cpu_parallel.h).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "jaxinfer/cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -214,35 +212,22 @@ void AttendSequence(const Problem& p, int64_t seq, int64_t head_begin, int64_t h
   }
 }
 
-// Tasks 0..num_tasks-1 shared by the caller and pool workers through an
-// atomic counter; the caller returns once every task has finished. A worker
-// the pool starts late finds nothing left and only touches the shared state,
-// which it co-owns.
-struct SharedWork {
-  Problem problem;
-  int64_t num_tasks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  int64_t heads_per_task;  // all of a sequence's KV heads, or one when sequences are too few to share out
-
-  void Drain() {
-    std::vector<float> scratch;
-    const int64_t tasks_per_seq = problem.num_kv_heads / heads_per_task;
-    for (int64_t task = next.fetch_add(1); task < num_tasks; task = next.fetch_add(1)) {
-      const int64_t head_begin = task % tasks_per_seq * heads_per_task;
-      const int64_t seq = task / tasks_per_seq, head_end = head_begin + heads_per_task;
-      if (problem.head_dim == 64) {
-        AttendSequence<64>(problem, seq, head_begin, head_end, scratch);
-      } else if (problem.head_dim == 128) {
-        AttendSequence<128>(problem, seq, head_begin, head_end, scratch);
-      } else {
-        AttendSequence<0>(problem, seq, head_begin, head_end, scratch);
-      }
-      done.fetch_add(1, std::memory_order_release);
-    }
+// Attention of one task's sequence and KV heads (all of a sequence's heads,
+// or one when the sequences are too few to share out), with a scratch
+// buffer kept per thread.
+void AttendTask(const Problem& p, int64_t task, int64_t heads_per_task) {
+  thread_local std::vector<float> scratch;
+  const int64_t tasks_per_seq = p.num_kv_heads / heads_per_task;
+  const int64_t seq = task / tasks_per_seq, head_begin = task % tasks_per_seq * heads_per_task;
+  const int64_t head_end = head_begin + heads_per_task;
+  if (p.head_dim == 64) {
+    AttendSequence<64>(p, seq, head_begin, head_end, scratch);
+  } else if (p.head_dim == 128) {
+    AttendSequence<128>(p, seq, head_begin, head_end, scratch);
+  } else {
+    AttendSequence<0>(p, seq, head_begin, head_end, scratch);
   }
-};
+}
 
 ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
                                     ffi::AnyBuffer v_pool, ffi::Buffer<ffi::F32> k_scales,
@@ -282,19 +267,10 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument("paged decode attention: q's heads / head_dim do not match the pools");
   }
   const int64_t num_seqs = q_dims[0];
-  auto work = std::make_shared<SharedWork>();
-  work->problem = p;
   const int64_t num_threads = std::max<int64_t>(1, thread_pool.num_threads());
-  work->heads_per_task = num_seqs >= 4 * num_threads ? p.num_kv_heads : 1;
-  work->num_tasks = num_seqs * (p.num_kv_heads / work->heads_per_task);
-  // One helper fewer than the pool has threads, as in cpu_matmul.cc: a third
-  // runnable thread on two cores cost a batch-1 step more than it gained.
-  const int64_t helpers = std::min<int64_t>(num_threads - 1, work->num_tasks - 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    thread_pool.Schedule([work] { work->Drain(); });
-  }
-  work->Drain();
-  while (work->done.load(std::memory_order_acquire) < work->num_tasks) std::this_thread::yield();
+  const int64_t heads_per_task = num_seqs >= 4 * num_threads ? p.num_kv_heads : 1;
+  jaxinfer::ParallelFor(thread_pool, num_seqs * (p.num_kv_heads / heads_per_task),
+                        [&p, heads_per_task](int64_t task) { AttendTask(p, task, heads_per_task); });
   return ffi::Error::Success();
 }
 
