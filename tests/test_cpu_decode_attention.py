@@ -11,7 +11,7 @@ import pytest
 
 from jaxinfer.models import cpu_decode_attention
 from jaxinfer.models.kv_cache import as_fp8, quantize_kv
-
+from tests.test_paged_attention import make_case as paged_case
 
 
 def test_kernel_builds_here():
@@ -21,28 +21,20 @@ def test_kernel_builds_here():
 
 
 def make_case(rng, num_seqs, rows, block_size, num_kv_heads, group, head_dim, num_layers, layer):
-    """Random contexts (one of them empty: a padding row) laid out in a pool
-    [layers, blocks, block_size, KV, D] with NaN everywhere else."""
-    context_lens = rng.integers(1, 6 * block_size, num_seqs).astype(np.int32)
-    context_lens[rng.integers(num_seqs)] = 0
-    blocks_per_seq = -(-context_lens // block_size)
-    num_blocks = 1 + int(blocks_per_seq.sum()) + 2
-    shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-    k_pool, v_pool = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
-    tables = np.zeros((num_seqs, int(blocks_per_seq.max()) + 2), np.int32)
-    free = list(rng.permutation(np.arange(1, num_blocks)))
-    dense = []
-    for s in range(num_seqs):
-        k = rng.standard_normal((context_lens[s], num_kv_heads, head_dim)).astype(np.float32)
-        v = rng.standard_normal((context_lens[s], num_kv_heads, head_dim)).astype(np.float32)
-        for b in range(blocks_per_seq[s]):
-            tables[s, b] = free.pop()
-            n = min(block_size, context_lens[s] - b * block_size)
-            k_pool[layer, tables[s, b], :n] = k[b * block_size:b * block_size + n]
-            v_pool[layer, tables[s, b], :n] = v[b * block_size:b * block_size + n]
-        dense.append((k, v))
+    """test_paged_attention's random contexts and NaN-poisoned pool, with one
+    sequence emptied into a padding row (its blocks poisoned too, its table
+    the null block), the pool placed at `layer` of a NaN-filled
+    [layers, blocks, block_size, KV, D] stack, and R query rows per sequence."""
+    _, pool_k, pool_v, meta, dense_k, dense_v = paged_case(rng, num_seqs, block_size, num_kv_heads, group, head_dim,
+                                                           max_ctx_blocks=6)
+    tables, context_lens = meta.block_tables.copy(), meta.context_lens.copy()
+    empty = rng.integers(num_seqs)
+    pool_k[tables[empty]] = pool_v[tables[empty]] = np.nan
+    tables[empty], context_lens[empty] = 0, 0
+    k_pool, v_pool = (np.full((num_layers, *pool.shape), np.nan, np.float32) for pool in (pool_k, pool_v))
+    k_pool[layer], v_pool[layer] = pool_k, pool_v
     q = rng.standard_normal((num_seqs, rows, num_kv_heads * group, head_dim)).astype(np.float32)
-    return q, k_pool, v_pool, tables, context_lens, dense
+    return q, k_pool, v_pool, tables, context_lens, list(zip(dense_k, dense_v))
 
 
 def numpy_attention(q, dense, context_lens, group, sliding_window=None):
