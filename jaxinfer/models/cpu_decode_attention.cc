@@ -36,7 +36,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxHeadDim = 512;
+constexpr int kMaxHeadDim = 512;  // cpu_decode_attention.py's MAX_HEAD_DIM
 
 float Fp8E4m3fnToFloat(uint8_t bits) {
   const int sign = bits >> 7, exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
@@ -111,8 +111,8 @@ struct Problem {
 // Calls visit(position, pool_row) for positions [0, end) of sequence `seq`
 // and KV head `kv_head`, a block at a time (no division per token).
 template <typename Visit>
-inline void ForEachKey(const Problem& p, int64_t seq, int64_t kv_head, int64_t end, int64_t row_bytes,
-                       const void* pool, Visit visit) {
+inline void ForEachKey(const Problem& p, const RowReader& reader, int64_t seq, int64_t kv_head, int64_t end,
+                       Visit visit) {
   const int32_t* table = p.block_tables + seq * p.max_blocks;
   const int64_t block_rows = p.block_size * p.num_kv_heads;
   const int64_t layer_row = p.layer * p.num_blocks * block_rows;
@@ -121,8 +121,9 @@ inline void ForEachKey(const Problem& p, int64_t seq, int64_t kv_head, int64_t e
     // Blocks are scattered over the pool: ask for the next one while this
     // one is read (the hardware prefetcher only follows a sequential stream).
     if (j + 1 < num_blocks) {
-      const char* next = static_cast<const char*>(pool) + (layer_row + table[j + 1] * block_rows) * row_bytes;
-      for (int64_t b = 0; b < block_rows * row_bytes; b += 64) __builtin_prefetch(next + b);
+      const char* next =
+          static_cast<const char*>(reader.pool) + (layer_row + table[j + 1] * block_rows) * reader.row_bytes;
+      for (int64_t b = 0; b < block_rows * reader.row_bytes; b += 64) __builtin_prefetch(next + b);
     }
     const int64_t start = j * p.block_size;
     const int64_t first_row = layer_row + table[j] * block_rows + kv_head;
@@ -168,7 +169,7 @@ void AttendSequence(const Problem& p, int64_t seq, int64_t head_begin, int64_t h
     last[row] = std::max(first[row], std::min<int64_t>(context_len, query_pos + 1));
   }
   float buffer[kMaxHeadDim];
-  ForEachKey(p, seq, head_begin, context_len, p.k.row_bytes, p.k.pool, [&](int64_t pos, int64_t pool_row) {
+  ForEachKey(p, p.k, seq, head_begin, context_len, [&](int64_t pos, int64_t pool_row) {
     for (int64_t h = 0; h < num_heads; ++h) {
       const float* key = p.k.Read(pool_row + h, head_dim, buffer);
       for (int64_t row = h * rows_per_head; row < (h + 1) * rows_per_head; ++row) {
@@ -195,7 +196,7 @@ void AttendSequence(const Problem& p, int64_t seq, int64_t head_begin, int64_t h
   }
   float* acc = queries;  // the queries are spent: accumulate the outputs there
   std::fill_n(acc, num_rows * head_dim, 0.0f);
-  ForEachKey(p, seq, head_begin, context_len, p.v.row_bytes, p.v.pool, [&](int64_t pos, int64_t pool_row) {
+  ForEachKey(p, p.v, seq, head_begin, context_len, [&](int64_t pos, int64_t pool_row) {
     for (int64_t h = 0; h < num_heads; ++h) {
       const float* value = p.v.Read(pool_row + h, head_dim, buffer);
       for (int64_t row = h * rows_per_head; row < (h + 1) * rows_per_head; ++row) {

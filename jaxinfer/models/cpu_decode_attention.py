@@ -27,6 +27,7 @@ from jaxinfer.utils import native_ffi_target
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_paged_decode_attention"
+MAX_HEAD_DIM = 512  # kMaxHeadDim in the .cc: the size of its per-row buffers
 POOL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.int8), np.dtype(np.uint8))
 
 
@@ -39,7 +40,7 @@ def supports(q, k_pool) -> bool:
     """Whether the kernel serves this call (on the CPU backend; shapes as in
     paged_decode_attention)."""
     return (jax.default_backend() == "cpu" and np.dtype(k_pool.dtype) in POOL_DTYPES and k_pool.ndim == 5
-            and q.shape[-1] <= 512 and available())
+            and q.shape[-1] <= MAX_HEAD_DIM and available())
 
 
 def paged_decode_attention(q, k_pool, v_pool, layer_index, block_tables, context_lens, *, k_scales=None,
