@@ -6,7 +6,8 @@ Engines and configurations (all greedy, one thread per core everywhere):
              float32), torch.set_num_threads(cores)
   jaxinfer   one LLM per --schemes entry: "none" (float32 weights dequantized
              from the GGUF, the default before quantization="auto"), "gguf" (the
-             file's Q8_0/Q4_0/Q4_1 blocks kept: what "auto" picks on CPU), or a
+             file's Q8_0/Q4_0/Q4_1 blocks kept: what "auto" picks on CPU), "gguf-a8"
+             (the blocks and head times int8-rounded activations, as llama.cpp), or a
              load-time scheme ("int8", "int4", "fp8", "w8a8"); XLA uses every core.
              "SCHEME/KV" sets the KV cache dtype too ("gguf/int8": gguf weights,
              int8 KV cache) and "SCHEME:BACKEND" the attention backend
@@ -344,8 +345,8 @@ def report(decode, prefill, read_gbs) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--schemes", default="none,gguf,int8,w8a8",
-                        help="jaxinfer weight schemes: none (float32), gguf, int8, int4, fp8, w8a8, each optionally "
+    parser.add_argument("--schemes", default="none,gguf,gguf-a8,int8,w8a8",
+                        help="jaxinfer weight schemes: none (float32), gguf, gguf-a8, int8, int4, fp8, w8a8, each optionally "
                              "/KV for a KV cache dtype and :BACKEND for an attention backend, e.g. gguf/int8:jnp "
                              "(default %(default)s)")
     parser.add_argument("--batch-sizes", default="1,8,32,64", help="decode batch sizes (default %(default)s)")

@@ -1,7 +1,11 @@
-"""The native CPU few-row matmul (quant/cpu_matmul.cc) against float64 numpy
-on weights dequantized independently here (own nibble order, scale and
-offset expansion), for int4 and int8 codes, grouped and per channel, with
-and without offsets, 1-8 rows, and a layer index into stacked weights."""
+"""The native CPU matmuls (quant/cpu_matmul.cc, few rows of float
+activations; quant/cpu_q8_matmul.cc, activations quantized to int8 blocks)
+against float64 numpy on weights dequantized independently here (own nibble
+order, scale and offset expansion) and, for the second, activations rounded
+to int8 blocks here, for int4 and int8 codes, grouped and per channel, with
+and without offsets, and a layer index into stacked weights."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +18,10 @@ from jaxinfer.quant.linear import linear
 from jaxinfer.quant.tensor import LayerOf, QuantizedTensor, pack_int4
 
 
-def test_kernel_builds_here():
-    # Not a skip: CI has g++, and without the kernel decode silently takes the slow path.
-    assert cpu_matmul.available()
+def test_kernels_build_here():
+    # Not a skip: CI has g++ and an AVX512-VNNI CPU, and without the kernels
+    # decode silently takes the slow path.
+    assert cpu_matmul.available() and cpu_matmul.q8_available()
 
 
 def random_stacked_weight(rng, scheme, layers, in_features, out_features, group_size, offsets):
@@ -50,6 +55,52 @@ def test_matches_float64(scheme, group_size, offsets, rows):
     for layer in (0, 2):
         expected = x.astype(np.float64) @ value[layer]
         np.testing.assert_allclose(np.asarray(run(x, w, layer)), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def int8_blocks_float64(x, block):
+    """x [rows, in] float32 -> float64: each block of `block` inputs rounded to
+    int8 with scale absmax / 127 (1 for an all-zero block), half to even,
+    and scaled back."""
+    blocks = x.reshape(x.shape[0], -1, block)
+    scale = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    scale = np.where(scale > 0, scale, np.float32(1))
+    codes = np.clip(np.round(blocks / scale), -127, 127)
+    return (codes.astype(np.float64) * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("scheme,group_size,offsets", [("int4", 32, True), ("int8", 32, False), ("int8", 16, True),
+                                                       ("int4", 64, True), ("int8", 576, False)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64])
+def test_q8_matches_float64(scheme, group_size, offsets, rows):
+    rng = np.random.default_rng(rows + group_size)
+    # 320 columns: a task of four 64-column tiles and one of one.
+    w, value = random_stacked_weight(rng, scheme, 3, 576, 320, group_size, offsets)
+    block = min(32, group_size)
+    w = dataclasses.replace(w, activation_block=block)
+    x = rng.standard_normal((rows, 576)).astype(np.float32)
+    x[0, 32:64] = 0.0  # an all-zero block
+    run = jax.jit(cpu_matmul.q8_matmul)
+    for layer in (0, 2):
+        expected = int8_blocks_float64(x, block) @ value[layer]
+        np.testing.assert_allclose(np.asarray(run(x, w, layer)), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_linear_with_int8_activations_same_on_every_path():
+    """A weight with activation_block: linear() on LayerOf runs the q8 kernel
+    at any row count; on the plain layer (the XLA path, or a mesh) it
+    multiplies int8_blocks(x) in float. Both give the float64 product of the
+    rounded activations."""
+    rng = np.random.default_rng(1)
+    w, value = random_stacked_weight(rng, "int4", 2, 64, 128, 32, True)
+    w = dataclasses.replace(w, activation_block=32)
+    for rows in (3, 40):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        expected = int8_blocks_float64(x, 32) @ value[1]
+        native = jax.jit(lambda x, w, i: linear(x, LayerOf(w, i)))
+        assert cpu_matmul.Q8_TARGET_NAME in native.lower(x, w, jnp.int32(1)).as_text()
+        plain = jax.jit(lambda x, w: linear(x, LayerOf(w, jnp.int32(1)).layer()))
+        for fn, args in ((native, (x, w, jnp.int32(1))), (plain, (x, w))):
+            np.testing.assert_allclose(np.asarray(fn(*args)), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 def test_linear_hands_layer_of_to_the_kernel_and_the_rest_to_xla():

@@ -9,7 +9,8 @@ host memory never holds more than one tensor.
 
 Linear weights may come out as QuantizedTensors (quant/tensor.py), stacked
 per layer like arrays: `quantization="gguf"` keeps a GGUF file's Q8_0 / Q4_0 /
-Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (sources offering `get_quantized`; the head only off CPU), and "int8" | "int4" | "fp8" |
+Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (sources offering `get_quantized`; the head only off CPU),
+"gguf-a8" the same with the head and int8 activations (GGUF_QUANTIZATIONS), and "int8" | "int4" | "fp8" |
 "w8a8" quantize each float32 weight as it is read (round to nearest, as
 quant/params.py's quantize_params; the head stays float except for the
 HEAD_SCHEMES, where it is quantized too and a tied model keeps no float
@@ -42,12 +43,17 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.llama import param_shapes
 from jaxinfer.parallel.mesh import tensor_parallel_size
-from jaxinfer.quant.params import HEAD_SCHEMES, LINEAR_KEYS, quantize_weight
+from jaxinfer.quant.params import HEAD_SCHEMES, LINEAR_KEYS, quantize_weight, with_int8_activations
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor, as_int8_groups
 
 log = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("gguf", *SCHEMES)
+# "gguf-a8": the file's blocks as "gguf", the head too (a tied model's
+# token_embd as lm_head; the float table stays for the lookup), and every
+# quantized weight multiplies activations quantized to int8 blocks
+# (quant/tensor.py, activation_block): how llama.cpp runs a GGUF.
+GGUF_QUANTIZATIONS = ("gguf", "gguf-a8")
+QUANTIZATIONS = (*GGUF_QUANTIZATIONS, *SCHEMES)
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -218,7 +224,7 @@ def _read_quantized(source, name: str, expected_shape: tuple, quantization: str,
     """A linear weight [in, out] quantized per `quantization` (None from "gguf"
     when the stored type has no direct form). RTN starts from float32, not
     from the requested dtype, so bfloat16 loads do not round twice."""
-    if quantization == "gguf":
+    if quantization in GGUF_QUANTIZATIONS:
         return _read_direct(source, name, expected_shape, placement, path, layer=True)
     w = _read(source, name, True, expected_shape, np.float32, placement, path, layer=True)
     if placement is None:
@@ -238,14 +244,14 @@ def build_params(
     config: ModelConfig, source: TensorSource, dtype="float32", progress: bool = True, quantization: str | None = None,
     mesh=None,
 ) -> dict:
-    """quantization: None | "gguf" | "int8" | "int4" | "fp8" (see the module docstring).
+    """quantization: None or one of QUANTIZATIONS (see the module docstring).
     mesh: None (the default device) or a ("model",) mesh to shard over
     (parallel/sharding.py); the params then fit sharded_config(config, mesh.size)."""
     dtype = resolve_dtype(dtype)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization == "gguf" and not hasattr(source, "get_quantized"):
-        raise ValueError(f'quantization="gguf" needs a GGUF checkpoint; {source.description} is not one')
+    if quantization in GGUF_QUANTIZATIONS and not hasattr(source, "get_quantized"):
+        raise ValueError(f'quantization="{quantization}" needs a GGUF checkpoint; {source.description} is not one')
     placement = None if mesh is None else _Placement(config, mesh)
     shapes = param_shapes(config)
     total = len(shapes["layers"]) * config.num_layers + len(shapes) - 1
@@ -256,10 +262,12 @@ def build_params(
             continue
         name, transpose = _GLOBAL_TENSORS[key]
         # Load-time RTN leaves the head float (quantize_params' include_head
-        # default); a GGUF head stored quantized stays as stored, except on CPU,
-        # where XLA casts a quantized head to float whole on every step (see
-        # quant/params.py's HEAD_SCHEMES) and the float head is the faster one.
-        keep_head = key == "lm_head" and quantization == "gguf" and jax.default_backend() != "cpu"
+        # default); a GGUF head stored quantized stays as stored, except for
+        # "gguf" on CPU, where XLA casts a quantized head to float whole on
+        # every step (see quant/params.py's HEAD_SCHEMES) and the float head is
+        # the faster one. "gguf-a8"'s kernel multiplies it as stored.
+        keep_head = key == "lm_head" and (quantization == "gguf-a8" or (
+            quantization == "gguf" and jax.default_backend() != "cpu"))
         head = _read_direct(source, name, shape, placement, key) if keep_head else None
         # A head quantized below is read in float32, so it is rounded once.
         read_dtype = np.float32 if quantization in HEAD_SCHEMES and key in ("embed", "lm_head") else dtype
@@ -298,6 +306,13 @@ def build_params(
     bar.close()
     if quantization in HEAD_SCHEMES:
         params["lm_head"] = _quantized_head(params, quantization, placement)
+    if quantization == "gguf-a8":
+        if "lm_head" not in params and config.tie_word_embeddings:
+            name = _GLOBAL_TENSORS["embed"][0]  # [vocab, hidden]: the head's [in, out] as a linear weight
+            head = _read_direct(source, name, (config.hidden_size, config.vocab_size), placement, "lm_head")
+            if head is not None:
+                params["lm_head"] = head
+        params = with_int8_activations(params)
     return params
 
 

@@ -103,7 +103,7 @@ def expand_kv_weight(w, num_kv_heads: int, replication: int):
     if isinstance(w, QuantizedTensor):
         parts = [None if p is None else expand_kv_heads(p, num_kv_heads, replication)
                  for p in (w.data, w.scales, w.offsets)]
-        return QuantizedTensor(*parts, w.scheme, w.group_size)
+        return dataclasses.replace(w, data=parts[0], scales=parts[1], offsets=parts[2])
     return expand_kv_heads(w, num_kv_heads, replication)
 
 
@@ -171,7 +171,7 @@ def param_specs(params: dict, tensor_parallel_size: int) -> dict:
             logical = logical_spec(path, leaf.shape, n)
             parts = [None if p is None else part_spec(logical, name, p.shape, n)
                      for name, p in (("data", leaf.data), ("scales", leaf.scales), ("offsets", leaf.offsets))]
-            spec = QuantizedTensor(*parts, leaf.scheme, leaf.group_size)
+            spec = dataclasses.replace(leaf, data=parts[0], scales=parts[1], offsets=parts[2])
         else:
             spec = logical_spec(path, leaf.shape, n)
         node = specs

@@ -1,13 +1,20 @@
-"""Few-row matmuls by grouped int8 / int4 weights on CPU as a native XLA FFI
-kernel (cpu_matmul.cc), built with the machine's C++ compiler on first use
-(jaxinfer/utils.py, native_library).
+"""Matmuls by grouped int8 / int4 weights on CPU as native XLA FFI kernels,
+built with the machine's C++ compiler on first use (jaxinfer/utils.py,
+native_library):
+
+  cpu_matmul.cc     float32 activations, 1-8 rows: the weight's exact value
+  cpu_q8_matmul.cc  activations quantized to int8 blocks on the fly (weights
+                    with activation_block, quant/tensor.py), any number of
+                    rows: int8 dots (AVX512-VNNI; without it the build fails
+                    and quant/linear.py multiplies the same numbers in XLA)
 
 Why native code: XLA does not fuse a convert into a dot, so the XLA path
 (quant/linear.py) writes a float32 copy of each weight on every call, which
 at 1-8 rows (decode at batch 1, speculative verification) is most of the
-step. The kernel reads the codes once, in place, from the stacked weights
-of every layer plus a layer index (quant/tensor.py, LayerOf): a per-layer
-slice handed to a custom call would be copied by XLA first.
+step, and past that a float32 dot is compute-bound. The kernels read the
+codes once, in place, from the stacked weights of every layer plus a layer
+index (quant/tensor.py, LayerOf): a per-layer slice handed to a custom call
+would be copied by XLA first.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from jaxinfer.utils import native_ffi_target
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_quantized_matmul"
 MAX_ROWS = 8  # more rows: the XLA path, where the float copy is shared by enough rows to pay
+Q8_SOURCE = Path(__file__).with_name("cpu_q8_matmul.cc")
+Q8_TARGET_NAME = "jaxinfer_q8_matmul"
+Q8_COLUMNS = 64  # the int8-activation kernel's output columns per tile
 
 
 def available() -> bool:
@@ -38,16 +48,41 @@ def supports(rows: int, w: QuantizedTensor) -> bool:
             and w.data.ndim in (2, 3) and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
 
 
+def q8_available() -> bool:
+    """Whether the int8-activation kernel is built and registered (built on first call)."""
+    return native_ffi_target(str(Q8_SOURCE), "JaxinferQ8Matmul", Q8_TARGET_NAME)
+
+
+def supports_q8(rows: int, w: QuantizedTensor) -> bool:
+    """Whether the int8-activation kernel serves x [rows, in] @ w, a weight
+    with activation_block set, on this backend."""
+    return (jax.default_backend() == "cpu" and rows >= 1 and w.scheme in ("int8", "int4")
+            and w.activation_block in (16, 32) and w.group_size % w.activation_block == 0
+            and w.out_features % Q8_COLUMNS == 0 and w.data.ndim in (2, 3) and q8_available())
+
+
 def quantized_matmul(x, w: QuantizedTensor, layer_index=0) -> jax.Array:
     """x [rows, in] @ layer `layer_index` of w -> float32 [rows, out]; w is
     [in, out] or stacked [layers, in, out] (read in place either way)."""
     if not available():
         raise RuntimeError("the CPU quantized matmul kernel is not available here (see the warning above)")
+    return _call(TARGET_NAME, x, w, layer_index)
+
+
+def q8_matmul(x, w: QuantizedTensor, layer_index=0) -> jax.Array:
+    """int8_blocks(x, w.activation_block) [rows, in] @ layer `layer_index` of w
+    -> float32 [rows, out], as quantized_matmul."""
+    if not q8_available():
+        raise RuntimeError("the CPU int8-activation matmul kernel is not available here (see the warning above)")
+    return _call(Q8_TARGET_NAME, x, w, layer_index, block=np.int64(w.activation_block))
+
+
+def _call(target: str, x, w: QuantizedTensor, layer_index, **attributes) -> jax.Array:
     data, scales, offsets = w.data, w.scales, w.offsets
     if data.ndim == 2:  # a leading axis of 1 is a free reshape, not a copy
         data, scales = data[None], scales[None]
         offsets = None if offsets is None else offsets[None]
-    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32))
     return call(x.astype(jnp.float32), data, scales, jnp.zeros((1,), jnp.float32) if offsets is None else offsets,
                 jnp.asarray(layer_index, jnp.int32), group_size=np.int64(w.group_size),
-                has_offsets=offsets is not None)
+                has_offsets=offsets is not None, **attributes)

@@ -39,6 +39,13 @@ CPU decode (1-8 rows, int8 / int4 grouped): the native kernel in
 quant/cpu_matmul.py, for weights handed over as LayerOf (one layer of the
 stacked weights, read in place; models/llama.py does so on one device).
 
+Weights with activation_block (the "gguf-a8" load, quant/tensor.py): the
+activations are quantized to int8 blocks first. On CPU, for LayerOf, the
+int8-activation kernel (quant/cpu_matmul.py) does that and multiplies
+int8 by the codes at any row count; every other path multiplies the
+quantized-and-rescaled activations (schemes.int8_blocks) in float, which is
+the same product.
+
 GPU decode (few rows): the fused Pallas kernel in
 pallas_kernels/quantized_matmul.py where it supports the weight, chosen at
 trace time.
@@ -52,7 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.quant import cpu_matmul
-from jaxinfer.quant.schemes import absmax_int8
+from jaxinfer.quant.schemes import absmax_int8, int8_blocks
 from jaxinfer.quant.tensor import LayerOf, QuantizedTensor, dequantize, unpack_int4
 
 # Rows up to which the fused kernel is used on GPU (decode batches). A matmul
@@ -71,9 +78,17 @@ def linear(x: jax.Array, w) -> jax.Array:
     w: an array, a QuantizedTensor [in, out] (or with leading layer axes,
     which broadcast like `x @ w`), or one layer of stacked ones (LayerOf)."""
     rows = math.prod(x.shape[:-1])
+    quantized = w.stacked if isinstance(w, LayerOf) else w
+    block = quantized.activation_block if isinstance(quantized, QuantizedTensor) else 0
     if isinstance(w, LayerOf):
         # Only single-device programs hand over LayerOf (models/llama.py): GSPMD
         # cannot split the kernel's custom call and would gather the weight.
+        if block and cpu_matmul.supports_q8(rows, w.stacked):
+            y = cpu_matmul.q8_matmul(x.reshape(rows, -1), w.stacked, w.index)
+            return y.astype(x.dtype).reshape(*x.shape[:-1], w.stacked.out_features)
+    if block:  # every other path multiplies the quantized activations in float: the same numbers
+        x = int8_blocks(x, block)
+    if isinstance(w, LayerOf):
         if cpu_matmul.supports(rows, w.stacked):
             y = cpu_matmul.quantized_matmul(x.reshape(rows, -1), w.stacked, w.index)
             return y.astype(x.dtype).reshape(*x.shape[:-1], w.stacked.out_features)

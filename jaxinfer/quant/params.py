@@ -9,11 +9,12 @@ table.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 
-from jaxinfer.quant.schemes import quantize
+from jaxinfer.quant.schemes import activation_block, quantize
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
 
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -62,6 +63,22 @@ def quantize_params(params: dict, scheme: str, group_size: int | None = None, in
     if include_head:
         head = params["lm_head"] if "lm_head" in params else params["embed"].T
         out["lm_head"] = quantize_weight(head, scheme, group_size, name="lm_head")
+    return out
+
+
+def with_int8_activations(params: dict) -> dict:
+    """-> params whose quantized linear weights (the layers' and a quantized
+    head) multiply activations quantized to int8 blocks (quant/tensor.py,
+    activation_block; the block follows each weight's groups)."""
+    def mark(w):
+        if not isinstance(w, QuantizedTensor) or w.scheme not in ("int8", "int4"):
+            return w
+        return dataclasses.replace(w, activation_block=activation_block(w.group_size))
+
+    out = dict(params)
+    out["layers"] = {key: mark(w) if key in LINEAR_KEYS else w for key, w in params["layers"].items()}
+    if "lm_head" in out:
+        out["lm_head"] = mark(out["lm_head"])
     return out
 
 

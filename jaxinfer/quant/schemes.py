@@ -15,6 +15,7 @@ All scales are computed in float32; groups run along `in` (see tensor.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -39,6 +40,25 @@ def absmax_int8(x, axis: int):
     scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / 127.0
     scale = jnp.where(scale > 0, scale, 1.0)  # all zero: any scale is exact
     return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+
+
+ACTIVATION_BLOCK = 32  # inputs per int8 activation scale: llama.cpp's Q8 block
+
+
+def activation_block(group_size: int) -> int:
+    """The activation block for a weight of `group_size`-row groups: 32 inputs,
+    or fewer where the weight's groups are smaller (GGUF Q6_K: 16), so that a
+    block never spans two weight scales."""
+    return math.gcd(ACTIVATION_BLOCK, group_size)
+
+
+def int8_blocks(x, block: int):
+    """x [..., in] rounded to int8 in blocks of `block` inputs (absmax_int8
+    per block) and scaled back: the activations a weight with
+    activation_block = block multiplies (quant/tensor.py)."""
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    q, scale = absmax_int8(blocks, axis=-1)
+    return (q.astype(jnp.float32) * scale).reshape(x.shape).astype(x.dtype)
 
 
 def quantize_int8(w, group_size: int | None = None) -> QuantizedTensor:

@@ -26,7 +26,16 @@ w8a8    int8 [..., in, out], stored as int8 per       data                    sy
         x @ w is not the float product (opt-in)
 
 scales and offsets are float32 [..., in // group_size, out]; offsets is None
-except for int4 and regrouped int8. `scheme` and `group_size` are static (pytree metadata).
+except for int4 and regrouped int8.
+
+activation_block  0: the weight multiplies the activations as they are (its
+        value above, exactly). N > 0: the activations are first quantized to
+        int8 in blocks of N inputs (quant/schemes.py, int8_blocks: how
+        llama.cpp multiplies a GGUF's blocks), so x @ w is int8_blocks(x) @
+        value; the CPU kernel (quant/cpu_matmul.py) then multiplies int8 by
+        int8 / int4 codes. Set by the "gguf-a8" load (loading/params.py).
+
+`scheme`, `group_size` and `activation_block` are static (pytree metadata).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ class QuantizedTensor:
     offsets: jax.Array | None
     scheme: str = dataclasses.field(metadata=dict(static=True))
     group_size: int = dataclasses.field(metadata=dict(static=True))
+    activation_block: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def in_features(self) -> int:

@@ -1,0 +1,312 @@
+// Matmul of float32 activations by grouped int8 / int4 weights, with the
+// activations quantized to int8 on the fly in blocks of 32 inputs (the way
+// llama.cpp multiplies its Q4/Q8 blocks by Q8 activations), for XLA:CPU
+// through the XLA FFI (quant/cpu_matmul.py builds and registers it).
+//
+// Why: past a few rows a float32 matmul is compute-bound on the dev VM's two
+// cores (16 multiply-adds per AVX-512 FMA). An int8 x uint8 dot (AVX512-VNNI
+// vpdpbusd) does 64 per instruction and needs no float copy of the weight,
+// so the whole step runs on the codes as stored. Needs AVX512-VNNI at build
+// time; elsewhere the build fails on purpose and quant/linear.py runs the
+// same numbers in XLA.
+//
+// Arguments as cpu_matmul.cc (data [L, in(/2), out] int8 or packed uint8
+// int4, scales / offsets [L, in / group, out], layer), plus out % 64 == 0.
+// With `block` (16 or 32, quant/schemes.py activation_block) inputs per
+// activation block a:
+//
+//   d[r, a]  = max |x[r, a's inputs]| / 127 (1 where all are 0)
+//   xq[r, i] = round(x[r, i] / d[r, a]) in [-127, 127]      (quant/schemes.py, absmax_int8)
+//   y[r, o]  = sum_a  scale[g, o] * d[r, a] * (sum_{i in a} q[i, o] * xq[r, i])
+//                   + offset[g, o] * d[r, a] * (sum_{i in a} xq[r, i]),        g = a's weight group
+//
+// i.e. exactly x' @ dequantized(w) for x' = xq * d, up to float rounding
+// order: the integer sums are exact. quant/linear.py's XLA path computes
+// that x' and multiplies it in float, the reference the tests hold this to.
+//
+// Layout trick: vpdpbusd multiplies 4 adjacent bytes of each 32-bit lane
+// and adds them into the lane. Four weight rows of 64 columns, transposed
+// byte-wise in registers (unpack 8 then 16 bit), give 4 vectors whose lanes
+// each hold 4 consecutive input rows of one column, so one instruction
+// advances 16 columns by 4 inputs against an activation dword broadcast to
+// every lane, and the sums never need a horizontal add. The transposition
+// leaves column 16 * l + 4 * k + i in lane 4 * l + i of vector k (l the
+// 128-bit lane); scales and results go through the matching 4 x 4 shuffle
+// of 128-bit lanes (Transpose4x4Lanes), which is its own inverse.
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#error "the Q8-activation matmul needs AVX512-VNNI (-march=native on a CPU without it); XLA runs it instead"
+#endif
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "jaxinfer/cpu_parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kColumns = 64;   // output columns of a tile: 4 vectors of 16
+constexpr int64_t kTiles = 1;      // tiles per task, side by side
+constexpr int64_t kRowBlock = 16;  // rows per task, sharing the weights' transposition
+
+struct Problem {
+  const uint8_t* data;  // this layer's codes
+  const float* scales;  // this layer's [groups, out]
+  const float* offsets;  // null: none
+  float* out;
+  bool int4;
+  int64_t rows, in, out_features, group, block;
+  // The quantized activations: codes [rows, in] (int4: each 8 inputs stored
+  // as the 4 even ones then the 4 odd ones, the order of the weight's low and
+  // high nibbles), and per row and block d, d * sum(xq) and sum(xq).
+  std::vector<int8_t> codes;
+  std::vector<float> x_scales, x_sums;
+  std::vector<int32_t> code_sums;
+};
+
+void QuantizeActivations(const float* x, Problem& p) {
+  const int64_t blocks = p.in / p.block;
+  p.codes.resize(p.rows * p.in);
+  p.x_scales.resize(p.rows * blocks);
+  p.x_sums.resize(p.rows * blocks);
+  p.code_sums.resize(p.rows * blocks);
+  // int4: within each 8 inputs, the even ones first (the weight's low nibbles).
+  const __m128i nibble_order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  const __m512 lowest = _mm512_set1_ps(-127.0f), highest = _mm512_set1_ps(127.0f);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t a = 0; a < blocks; ++a) {
+      const float* xs = x + r * p.in + a * p.block;
+      const int64_t vectors = p.block / 16;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t v = 0; v < vectors; ++v) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xs + 16 * v)));
+      float d = _mm512_reduce_max_ps(amax) / 127.0f;
+      if (!(d > 0.0f)) d = 1.0f;
+      int8_t* codes = p.codes.data() + r * p.in + a * p.block;
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t v = 0; v < vectors; ++v) {
+        // x / d rounded half to even, as jnp.round(x / scale) does.
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xs + 16 * v), _mm512_set1_ps(d)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lowest), highest));
+        sum = _mm512_add_epi32(sum, qi);
+        __m128i bytes = _mm512_cvtepi32_epi8(qi);
+        if (p.int4) bytes = _mm_shuffle_epi8(bytes, nibble_order);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * v), bytes);
+      }
+      const int32_t code_sum = _mm512_reduce_add_epi32(sum);
+      p.x_scales[r * blocks + a] = d;
+      p.x_sums[r * blocks + a] = d * static_cast<float>(code_sum);
+      p.code_sums[r * blocks + a] = code_sum;
+    }
+  }
+}
+
+// Vectors v[0..3] as a 4 x 4 matrix of 128-bit lanes, transposed.
+template <typename V, typename Shuffle>
+void Transpose4x4Lanes(V v[4], Shuffle shuffle) {
+  const V u0 = shuffle(v[0], v[1], 0x44), u1 = shuffle(v[0], v[1], 0xEE);
+  const V u2 = shuffle(v[2], v[3], 0x44), u3 = shuffle(v[2], v[3], 0xEE);
+  v[0] = shuffle(u0, u2, 0x88);
+  v[1] = shuffle(u0, u2, 0xDD);
+  v[2] = shuffle(u1, u3, 0x88);
+  v[3] = shuffle(u1, u3, 0xDD);
+}
+
+void TransposeLanes(__m512 v[4]) {
+  Transpose4x4Lanes(v, [](__m512 a, __m512 b, int imm) {
+    switch (imm) {  // the immediate must be a constant
+      case 0x44: return _mm512_shuffle_f32x4(a, b, 0x44);
+      case 0xEE: return _mm512_shuffle_f32x4(a, b, 0xEE);
+      case 0x88: return _mm512_shuffle_f32x4(a, b, 0x88);
+      default: return _mm512_shuffle_f32x4(a, b, 0xDD);
+    }
+  });
+}
+
+// Four weight rows of 64 byte columns -> t[k]: lane 4 * l + i holds the
+// rows' 4 bytes of column 16 * l + 4 * k + i.
+void TransposeRows(const uint8_t* row, int64_t stride, __m512i t[4]) {
+  const __m512i r0 = _mm512_loadu_si512(row), r1 = _mm512_loadu_si512(row + stride);
+  const __m512i r2 = _mm512_loadu_si512(row + 2 * stride), r3 = _mm512_loadu_si512(row + 3 * stride);
+  const __m512i a0 = _mm512_unpacklo_epi8(r0, r1), a1 = _mm512_unpackhi_epi8(r0, r1);
+  const __m512i b0 = _mm512_unpacklo_epi8(r2, r3), b1 = _mm512_unpackhi_epi8(r2, r3);
+  t[0] = _mm512_unpacklo_epi16(a0, b0);
+  t[1] = _mm512_unpackhi_epi16(a0, b0);
+  t[2] = _mm512_unpacklo_epi16(a1, b1);
+  t[3] = _mm512_unpackhi_epi16(a1, b1);
+}
+
+// The weights of one activation block and 64 columns, transposed for
+// vpdpbusd. int4: per 8 inputs (4 byte rows), vector 8 * quad + 2 * k (+1)
+// holds the low (high) nibbles; int8: per 4 inputs, vector 4 * quad + k
+// holds the codes + 128 (vpdpbusd takes them unsigned).
+template <bool kInt4>
+void PrepareWeights(const uint8_t* first, int64_t stride, int64_t quads, __m512i* w) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t quad = 0; quad < quads; ++quad) {
+    __m512i t[4];
+    TransposeRows(first + 4 * quad * stride, stride, t);
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (kInt4) {
+        w[8 * quad + 2 * k] = _mm512_and_si512(t[k], nibble);
+        w[8 * quad + 2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(t[k], 4), nibble);
+      } else {
+        w[4 * quad + k] = _mm512_xor_si512(t[k], sign);
+      }
+    }
+  }
+}
+
+// Integer dots of kRows rows' block codes (x[r], as dwords) with prepared
+// weights: sum[r][k] for the 64 columns. Several rows at once give the
+// core independent vpdpbusd chains (its latency is several cycles).
+template <bool kInt4, int kRows>
+void BlockDots(const int32_t* const* x, const __m512i* w, int64_t quads, __m512i sum[][4]) {
+  for (int r = 0; r < kRows; ++r)
+    for (int k = 0; k < 4; ++k) sum[r][k] = _mm512_setzero_si512();
+  for (int64_t quad = 0; quad < quads; ++quad) {
+    if constexpr (kInt4) {
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i even = _mm512_set1_epi32(x[r][2 * quad]), odd = _mm512_set1_epi32(x[r][2 * quad + 1]);
+        for (int k = 0; k < 4; ++k) {
+          sum[r][k] = _mm512_dpbusd_epi32(sum[r][k], w[8 * quad + 2 * k], even);
+          sum[r][k] = _mm512_dpbusd_epi32(sum[r][k], w[8 * quad + 2 * k + 1], odd);
+        }
+      }
+    } else {
+      for (int r = 0; r < kRows; ++r) {
+        const __m512i four = _mm512_set1_epi32(x[r][quad]);
+        for (int k = 0; k < 4; ++k) sum[r][k] = _mm512_dpbusd_epi32(sum[r][k], w[4 * quad + k], four);
+      }
+    }
+  }
+}
+
+// One task: rows [row0, row0 + rows) x columns [col0, col0 + 64 * tiles).
+// Per activation block, each 64-column tile is prepared and multiplied in
+// turn: the weight rows are then read kTiles * 64 bytes at a time.
+template <bool kInt4>
+void MatmulTask(const Problem& p, int64_t row0, int64_t rows, int64_t col0, int64_t tiles) {
+  const int64_t blocks = p.in / p.block;
+  const int64_t byte_rows = kInt4 ? p.block / 2 : p.block;
+  const int64_t quads = byte_rows / 4;
+  alignas(64) __m512i w[32];
+  __m512 acc[kRowBlock][kTiles][4];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t s = 0; s < tiles; ++s)
+      for (int k = 0; k < 4; ++k) acc[r][s][k] = _mm512_setzero_ps();
+  for (int64_t a = 0; a < blocks; ++a) {
+    const int64_t g = a * p.block / p.group;
+    for (int64_t s = 0; s < tiles; ++s) {
+      const int64_t col = col0 + kColumns * s;
+      PrepareWeights<kInt4>(p.data + a * byte_rows * p.out_features + col, p.out_features, quads, w);
+      __m512 scale[4], offset[4];
+      for (int k = 0; k < 4; ++k) {
+        scale[k] = _mm512_loadu_ps(p.scales + g * p.out_features + col + 16 * k);
+        offset[k] = p.offsets ? _mm512_loadu_ps(p.offsets + g * p.out_features + col + 16 * k) : _mm512_setzero_ps();
+      }
+      TransposeLanes(scale);
+      TransposeLanes(offset);
+      for (int64_t r = 0; r < rows; r += 2) {
+        const int pair = r + 1 < rows ? 2 : 1;
+        const int32_t* x[2];
+        for (int i = 0; i < pair; ++i)
+          x[i] = reinterpret_cast<const int32_t*>(p.codes.data() + (row0 + r + i) * p.in + a * p.block);
+        __m512i sum[2][4];
+        if (pair == 2) {
+          BlockDots<kInt4, 2>(x, w, quads, sum);
+        } else {
+          BlockDots<kInt4, 1>(x, w, quads, sum);
+        }
+        for (int i = 0; i < pair; ++i) {
+          const int64_t at = (row0 + r + i) * blocks + a;
+          const __m512 d = _mm512_set1_ps(p.x_scales[at]), x_sum = _mm512_set1_ps(p.x_sums[at]);
+          // int8 codes went in as q + 128: take 128 * sum(xq) back off.
+          const __m512i bias = _mm512_set1_epi32(kInt4 ? 0 : 128 * p.code_sums[at]);
+          __m512* out = acc[r + i][s];
+          for (int k = 0; k < 4; ++k) {
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[i][k], bias));
+            out[k] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[k], d), out[k]);
+            if (p.offsets) out[k] = _mm512_fmadd_ps(offset[k], x_sum, out[k]);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t s = 0; s < tiles; ++s) {
+      TransposeLanes(acc[r][s]);
+      for (int k = 0; k < 4; ++k)
+        _mm512_storeu_ps(p.out + (row0 + r) * p.out_features + col0 + kColumns * s + 16 * k, acc[r][s][k]);
+    }
+  }
+}
+
+ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                        ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets, ffi::Buffer<ffi::S32> layer,
+                        ffi::ResultBuffer<ffi::F32> out, int64_t group_size, bool has_offsets, int64_t block) {
+  const auto x_dims = x.dimensions();
+  const auto data_dims = data.dimensions();
+  if (x_dims.size() != 2 || data_dims.size() != 3) {
+    return ffi::Error::InvalidArgument("q8 matmul: x must be [rows, in], data [layers, in(/2), out]");
+  }
+  Problem p;
+  p.int4 = data.element_type() == ffi::DataType::U8;
+  if (!p.int4 && data.element_type() != ffi::DataType::S8) {
+    return ffi::Error::InvalidArgument("q8 matmul: data must be int8 or uint8 (packed int4)");
+  }
+  p.rows = x_dims[0];
+  p.in = x_dims[1];
+  p.out_features = data_dims[2];
+  p.group = group_size;
+  p.block = block;
+  // Blocks of 16 or 32 inputs: whole vectors of activations, whole quads of
+  // byte rows, at most 32 prepared weight vectors.
+  if (p.in != data_dims[1] * (p.int4 ? 2 : 1) || p.group <= 0 || p.in % p.group != 0 ||
+      (p.block != 16 && p.block != 32) || p.group % p.block != 0 || p.out_features % kColumns != 0) {
+    return ffi::Error::InvalidArgument(
+        "q8 matmul: shapes do not match (blocks of 16 or 32 inputs in whole groups, out a multiple of 64)");
+  }
+  const int64_t layer_index = layer.typed_data()[0];
+  const int64_t groups = p.in / p.group;
+  p.data = static_cast<const uint8_t*>(data.untyped_data()) + layer_index * data_dims[1] * p.out_features;
+  p.scales = scales.typed_data() + layer_index * groups * p.out_features;
+  p.offsets = has_offsets ? offsets.typed_data() + layer_index * groups * p.out_features : nullptr;
+  p.out = out->typed_data();
+  QuantizeActivations(x.typed_data(), p);
+  const int64_t row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
+  const int64_t tiles = p.out_features / kColumns;
+  const int64_t column_blocks = (tiles + kTiles - 1) / kTiles;
+  // Row blocks of one column block are neighbours in task order, so the two
+  // threads stream different columns and the weights are read about once.
+  jaxinfer::ParallelFor(thread_pool, row_blocks * column_blocks, [&p, row_blocks, tiles](int64_t task) {
+    const int64_t row0 = (task % row_blocks) * kRowBlock, tile0 = (task / row_blocks) * kTiles;
+    const int64_t rows = std::min(kRowBlock, p.rows - row0), task_tiles = std::min(kTiles, tiles - tile0);
+    if (p.int4) {
+      MatmulTask<true>(p, row0, rows, tile0 * kColumns, task_tiles);
+    } else {
+      MatmulTask<false>(p, row0, rows, tile0 * kColumns, task_tiles);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8Matmul, Q8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::AnyBuffer>()         // data
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // offsets
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<bool>("has_offsets")
+                                  .Attr<int64_t>("block"));
