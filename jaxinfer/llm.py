@@ -68,7 +68,7 @@ class LLM:
             check_data_parallel_hosts(data_parallel_size)
             meshes = replica_meshes(tensor_parallel_size or 1, data_parallel_size,
                                     context_parallel_size=context_parallel_size or 1)
-        _start_cpu_kernel_builds()
+        _start_cpu_kernel_builds(quantization)
         self.model = load(model, dtype=dtype, progress=progress, quantization=quantization, mesh=meshes[0])
         self.tokenizer = self.model.tokenizer
         if engine_options.get("max_model_len") is None:
