@@ -54,6 +54,7 @@ def main() -> None:
     from jaxinfer.models.llama import compute_logits
     from jaxinfer.models.paged_attention import paged_cache_attention
     from jaxinfer.quant.linear import linear
+    from jaxinfer.quant.tensor import LayerOf, QuantizedTensor
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     llm = LLM(args.model, quantization=None if args.quantization == "none" else args.quantization, max_num_seqs=max(16, max(batch_sizes)),
@@ -125,12 +126,19 @@ def main() -> None:
 
         @jax.jit
         def matmuls(layers, x):
-            def layer(x, p):
-                q, k, v = (linear(x, p[n]) for n in ("wq", "wk", "wv"))
-                o = linear(q, p["wo"])
-                h = jax.nn.silu(linear(x + o, p["w_gate"])) * linear(x, p["w_up"])
-                return x + linear(h, p["w_down"]) + 1e-3 * (k.sum() + v.sum()), None
-            return jax.lax.scan(layer, x, layers)[0]
+            # Quantized weights reach linear() as LayerOf, as models/llama.py
+            # hands them over on one device (the native kernels read them in place).
+            stacked = {n: w for n, w in layers.items() if isinstance(w, QuantizedTensor)}
+            sliced = {n: w for n, w in layers.items() if n not in stacked}
+
+            def layer(x, per_layer):
+                p, index = per_layer
+                w = {**p, **{n: LayerOf(s, index) for n, s in stacked.items()}}
+                q, k, v = (linear(x, w[n]) for n in ("wq", "wk", "wv"))
+                o = linear(q, w["wo"])
+                h = jax.nn.silu(linear(x + o, w["w_gate"])) * linear(x, w["w_up"])
+                return x + linear(h, w["w_down"]) + 1e-3 * (k.sum() + v.sum()), None
+            return jax.lax.scan(layer, x, (sliced, jnp.arange(config.num_layers)))[0]
 
         matmul_ms = time_ms(matmuls, params["layers"], x, iters=args.iters)
 

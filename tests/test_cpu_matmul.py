@@ -85,6 +85,21 @@ def test_q8_matches_float64(scheme, group_size, offsets, rows):
         np.testing.assert_allclose(np.asarray(run(x, w, layer)), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("scheme,in_features", [("int8", 576), ("int4", 96)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_q8_wide_weight(scheme, in_features, rows):
+    """Weights of 4,096+ columns (a page per byte row, like the head) take
+    the kernel's other split at up to 8 rows: input-block ranges summed at
+    the end (fewer blocks than ranges at 96 inputs)."""
+    rng = np.random.default_rng(rows)
+    w, value = random_stacked_weight(rng, scheme, 2, in_features, 4160, 32, scheme == "int4")
+    w = dataclasses.replace(w, activation_block=32)
+    x = rng.standard_normal((rows, in_features)).astype(np.float32)
+    expected = int8_blocks_float64(x, 32) @ value[1]
+    np.testing.assert_allclose(np.asarray(jax.jit(cpu_matmul.q8_matmul)(x, w, 1)), expected, rtol=1e-5,
+                               atol=1e-5 * np.abs(expected).max())
+
+
 def test_linear_with_int8_activations_same_on_every_path():
     """A weight with activation_block: linear() on LayerOf runs the q8 kernel
     at any row count; on the plain layer (the XLA path, or a mesh) it
