@@ -13,6 +13,7 @@ import jaxinfer
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.loading.gguf import blocks_to_quantized, unpermute_rows
 from jaxinfer.loading.model import Model
+from jaxinfer.quant import cpu_matmul
 from jaxinfer.quant.linear import linear
 from jaxinfer.quant.params import LINEAR_KEYS, params_nbytes, quantize_params
 from jaxinfer.quant.schemes import quantize
@@ -244,10 +245,27 @@ def test_default_model_gguf_quantized_matches_float_load(default_float):
     model = jaxinfer.load(progress=False)
     assert model.quantization == "gguf" and default_float.quantization is None
     assert all(isinstance(model.params["layers"][k], QuantizedTensor) for k in LINEAR_KEYS)
-    assert params_nbytes(model.params) < 0.4 * params_nbytes(default_float.params)
+    held = {k: v for k, v in model.params.items() if k != "few_row_head"}
+    assert params_nbytes(held) < 0.4 * params_nbytes(default_float.params)
     prompt = model.tokenizer.encode("The capital of France is")
     assert_logits_close(model.logits(prompt), default_float.logits(prompt), rtol=1e-4)
     assert greedy(model, prompt, 6) == greedy(default_float, prompt, 6)
+
+
+def test_default_model_one_row_head_reads_the_files_blocks(default_float):
+    """On CPU the tied Q8_0 head is also kept as stored, for the few-row
+    kernel (batch-1 decode): its values are the float table's exactly, and
+    one row's logits through it match the float model's."""
+    from jaxinfer.models.llama import compute_logits
+
+    model = jaxinfer.load(progress=False)
+    head = model.params["few_row_head"]
+    assert (head.scheme, head.group_size) == ("int8", 32)
+    np.testing.assert_array_equal(np.asarray(dequantize(head)).T, np.asarray(default_float.params["embed"]))
+    hidden = jax.random.normal(jax.random.key(0), (1, 1, model.config.hidden_size), jnp.float32)
+    one_row = jax.jit(compute_logits)
+    assert cpu_matmul.TARGET_NAME in one_row.lower(model.params, hidden).as_text()
+    assert_logits_close(one_row(model.params, hidden), compute_logits(default_float.params, hidden), rtol=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.llama import param_shapes
 from jaxinfer.parallel.mesh import tensor_parallel_size
+from jaxinfer.quant import cpu_matmul
 from jaxinfer.quant.params import HEAD_SCHEMES, LINEAR_KEYS, quantize_weight, with_int8_activations
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor, as_int8_groups
 
@@ -306,14 +307,27 @@ def build_params(
     bar.close()
     if quantization in HEAD_SCHEMES:
         params["lm_head"] = _quantized_head(params, quantization, placement)
+    if quantization == "gguf-a8" and "lm_head" not in params and config.tie_word_embeddings:
+        head = _tied_head_as_stored(source, config, placement)
+        if head is not None:
+            params["lm_head"] = head
+    if quantization == "gguf" and placement is None and "lm_head" not in params and jax.default_backend() == "cpu":
+        # The float head is the faster one past a few rows (see keep_head
+        # above); at one row the few-row kernel reads the file's blocks, a
+        # quarter of the bytes (models/llama.py, compute_logits).
+        head = _tied_head_as_stored(source, config, placement) if config.tie_word_embeddings else None
+        if head is not None and cpu_matmul.supports(1, head):
+            params["few_row_head"] = head
     if quantization == "gguf-a8":
-        if "lm_head" not in params and config.tie_word_embeddings:
-            name = _GLOBAL_TENSORS["embed"][0]  # [vocab, hidden]: the head's [in, out] as a linear weight
-            head = _read_direct(source, name, (config.hidden_size, config.vocab_size), placement, "lm_head")
-            if head is not None:
-                params["lm_head"] = head
         params = with_int8_activations(params)
     return params
+
+
+def _tied_head_as_stored(source: TensorSource, config: ModelConfig, placement) -> QuantizedTensor | None:
+    """A tied model's head in the file's own blocks (its embedding table, read
+    as a linear weight [hidden, vocab]), or None where its type has no direct form."""
+    name = _GLOBAL_TENSORS["embed"][0]  # HF [vocab, hidden] = [out, in]
+    return _read_direct(source, name, (config.hidden_size, config.vocab_size), placement, "lm_head")
 
 
 def _quantized_head(params: dict, quantization: str, placement: _Placement | None) -> QuantizedTensor:

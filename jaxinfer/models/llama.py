@@ -16,6 +16,10 @@ activations multiply them from the left (`x @ w`):
                  w_gate [L, hidden, ffn]  w_up [L, hidden, ffn]  w_down [L, ffn, hidden]
     final_norm   [hidden]
     lm_head      [hidden, vocab]        (absent when embeddings are tied, unless quantized)
+    few_row_head [hidden, vocab]        (optional) a QuantizedTensor of exactly the head's
+                                        values, multiplied instead where quant/cpu_matmul.py's
+                                        few-row kernel serves the rows (a GGUF's Q8_0 head
+                                        beside its float table: loading/params.py)
 
 Any linear weight (the seven per-layer ones and lm_head) may instead be a
 QuantizedTensor (quant/tensor.py) of the same logical shape; every matmul goes
@@ -27,6 +31,8 @@ then its column of the head (embed_tokens).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -34,6 +40,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq
 from jaxinfer.models.lora import lora_delta
+from jaxinfer.quant import cpu_matmul
 from jaxinfer.quant.linear import linear
 from jaxinfer.quant.tensor import LayerOf, QuantizedTensor
 
@@ -169,14 +176,24 @@ def embed_tokens(params: dict, tokens):
     return (columns * head.scales[0][tokens][..., None]).astype(params["final_norm"].dtype)
 
 
+def _in_place(head: QuantizedTensor) -> LayerOf:
+    """A quantized [hidden, vocab] head as the one layer of a stack, so that a
+    native kernel reads it in place (a leading axis of 1 is a free reshape)."""
+    return LayerOf(jax.tree.map(lambda a: a[None], head), jnp.int32(0))
+
+
 def compute_logits(params: dict, hidden, native_weights: bool = True):
     """Project hidden states to float32 vocabulary logits (tied or untied head;
     a quantized head of tied embeddings is stored as lm_head too).
     native_weights: as in forward."""
-    if "lm_head" in params:
+    few_row_head = params.get("few_row_head")
+    if native_weights and few_row_head is not None and cpu_matmul.supports(math.prod(hidden.shape[:-1]), few_row_head):
+        # A quarter of the float head's bytes, the same values (batch-1 decode).
+        logits = linear(hidden, _in_place(few_row_head))
+    elif "lm_head" in params:
         head = params["lm_head"]
         if native_weights and isinstance(head, QuantizedTensor) and head.data.ndim == 2:
-            head = LayerOf(jax.tree.map(lambda a: a[None], head), jnp.int32(0))  # a free reshape
+            head = _in_place(head)
         logits = linear(hidden, head)
     else:
         logits = jnp.einsum("...d,vd->...v", hidden, params["embed"])
