@@ -32,8 +32,8 @@ Workloads (the same real token ids, from the model's tokenizer, for every engine
            logits of the last position only; llama.cpp: eval).
 
 For jaxinfer at batch 1 the table also gives the weight bytes read per decode
-step (every params leaf; the embedding table only when the head reads it, i.e.
-tied embeddings, since the lookup reads one row), the bandwidth that implies, and
+step (weight_bytes_per_step: the embedding table only when no other head reads
+instead, since the lookup reads one row), the bandwidth that implies, and
 its share of the memory read bandwidth measured with a jitted reduction over a
 --bandwidth-mb array (median of 5 runs).
 
@@ -138,11 +138,16 @@ def read_bandwidth_gbs(num_bytes: int) -> float:
 
 
 def weight_bytes_per_step(params: dict) -> int:
-    """Bytes of weights one decode step reads: every leaf, except that an untied
-    embedding table is only gathered from (one row per token)."""
-    total = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params))
-    if "lm_head" in params and "embed" in params:
-        total -= sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(params["embed"]))
+    """Bytes of weights a one-row decode step reads: every leaf, except that the
+    embedding table is only gathered from (one row per token) where another
+    head multiplies: an untied or quantized lm_head, or the few_row_head that
+    one row takes (models/llama.py, compute_logits)."""
+    def nbytes(tree):
+        return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree))
+
+    total = nbytes(params)
+    if "embed" in params and ("lm_head" in params or "few_row_head" in params):
+        total -= nbytes(params["embed"])
     return total
 
 
