@@ -100,6 +100,25 @@ def test_q8_wide_weight(scheme, in_features, rows):
                                atol=1e-5 * np.abs(expected).max())
 
 
+@pytest.mark.parametrize("rows", [1, 20])
+def test_q8_float16_scales(rows):
+    """Scales and offsets stored as float16 (what with_int8_activations keeps
+    for a GGUF's own d and m) multiply as their exact float32 values."""
+    rng = np.random.default_rng(5)
+    w, _ = random_stacked_weight(rng, "int4", 2, 576, 4160, 32, True)
+    half = dataclasses.replace(w, scales=w.scales.astype(jnp.float16), offsets=w.offsets.astype(jnp.float16),
+                               activation_block=32)
+    codes = np.asarray(jnp.concatenate([half.data & 0x0F, half.data >> 4], axis=1))  # even rows, then odd rows
+    value = np.empty((2, 576, 4160))
+    value[:, 0::2], value[:, 1::2] = codes[:, :288], codes[:, 288:]
+    value = value * np.repeat(np.asarray(half.scales, np.float64), 32, axis=1) + np.repeat(
+        np.asarray(half.offsets, np.float64), 32, axis=1)
+    x = rng.standard_normal((rows, 576)).astype(np.float32)
+    expected = int8_blocks_float64(x, 32) @ value[0]
+    np.testing.assert_allclose(np.asarray(jax.jit(cpu_matmul.q8_matmul)(x, half, 0)), expected, rtol=1e-5,
+                               atol=1e-5 * np.abs(expected).max())
+
+
 def test_linear_with_int8_activations_same_on_every_path():
     """A weight with activation_block: linear() on LayerOf runs the q8 kernel
     at any row count; on the plain layer (the XLA path, or a mesh) it

@@ -7,6 +7,7 @@ changes numbers. The kernel itself is tested in test_cpu_matmul.py."""
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -38,6 +39,8 @@ def test_head_is_the_files_q8_0_token_embd(a8_model):
 def test_every_linear_weight_multiplies_int8_blocks_in_the_kernel(a8_model):
     layers = a8_model.params["layers"]
     assert all(isinstance(layers[k], QuantizedTensor) and layers[k].activation_block == 32 for k in LINEAR_KEYS)
+    # Q4_1 stores d and m as float16: kept so, exactly, for the kernel to read half the bytes.
+    assert all(layers[k].scales.dtype == layers[k].offsets.dtype == jnp.float16 for k in LINEAR_KEYS)
     prompt = np.asarray([a8_model.tokenizer.encode("The capital of France is")])
 
     def logits(params, tokens):

@@ -45,7 +45,8 @@ def supports(rows: int, w: QuantizedTensor) -> bool:
     """Whether the kernel serves x [rows, in] @ w (w with at most one leading
     layer axis) on this backend."""
     return (jax.default_backend() == "cpu" and 1 <= rows <= MAX_ROWS and w.scheme in ("int8", "int4")
-            and w.data.ndim in (2, 3) and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
+            and w.scales.dtype == jnp.float32 and w.data.ndim in (2, 3)
+            and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
 
 
 def q8_available() -> bool:
@@ -58,7 +59,8 @@ def supports_q8(rows: int, w: QuantizedTensor) -> bool:
     with activation_block set, on this backend."""
     return (jax.default_backend() == "cpu" and rows >= 1 and w.scheme in ("int8", "int4")
             and w.activation_block in (16, 32) and w.group_size % w.activation_block == 0
-            and w.out_features % Q8_COLUMNS == 0 and w.data.ndim in (2, 3) and q8_available())
+            and w.out_features % Q8_COLUMNS == 0 and w.data.ndim in (2, 3)
+            and w.scales.dtype in (jnp.float32, jnp.float16) and q8_available())
 
 
 def quantized_matmul(x, w: QuantizedTensor, layer_index=0) -> jax.Array:
@@ -83,6 +85,6 @@ def _call(target: str, x, w: QuantizedTensor, layer_index, **attributes) -> jax.
         data, scales = data[None], scales[None]
         offsets = None if offsets is None else offsets[None]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32))
-    return call(x.astype(jnp.float32), data, scales, jnp.zeros((1,), jnp.float32) if offsets is None else offsets,
+    return call(x.astype(jnp.float32), data, scales, jnp.zeros((1,), scales.dtype) if offsets is None else offsets,
                 jnp.asarray(layer_index, jnp.int32), group_size=np.int64(w.group_size),
                 has_offsets=offsets is not None, **attributes)

@@ -11,7 +11,9 @@
 // same numbers in XLA.
 //
 // Arguments as cpu_matmul.cc (data [L, in(/2), out] int8 or packed uint8
-// int4, scales / offsets [L, in / group, out], layer), plus out % 64 == 0.
+// int4, scales / offsets [L, in / group, out], layer), plus out % 64 == 0,
+// and scales and offsets may be float16 (quant/params.py stores a GGUF's own
+// float16 d and m so: half the bytes, the same values).
 // With `block` (16 or 32, quant/schemes.py activation_block) inputs per
 // activation block a:
 //
@@ -69,8 +71,9 @@ constexpr int64_t kPrefetchBlocks = 4;
 
 struct Problem {
   const uint8_t* data;  // this layer's codes
-  const float* scales;  // this layer's [groups, out]
-  const float* offsets;  // null: none
+  const void* scales;   // this layer's [groups, out], float32 or (half) float16
+  const void* offsets;  // the same, or null: none
+  bool half;
   float* out;
   bool int4;
   int64_t rows, in, out_features, group, block;
@@ -207,6 +210,12 @@ void BlockDots(const int32_t* const* x, const __m512i* w, int64_t quads, __m512i
   }
 }
 
+// 16 scales (or offsets) from `base` at element `at`, as float32.
+__m512 LoadScales(const Problem& p, const void* base, int64_t at) {
+  if (p.half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)));
+  return _mm512_loadu_ps(static_cast<const float*>(base) + at);
+}
+
 // Adds activation block a's products for rows [row0, row0 + rows) into
 // acc + r * stride (64 floats per row, in the tile's lane order: see the
 // top), for the 64 columns whose weights are prepared in w.
@@ -218,8 +227,8 @@ void AccumulateBlock(const Problem& p, int64_t a, int64_t col, const __m512i* w,
   const int64_t g = a * p.block / p.group;
   __m512 scale[4], offset[4];
   for (int k = 0; k < 4; ++k) {
-    scale[k] = _mm512_loadu_ps(p.scales + g * p.out_features + col + 16 * k);
-    offset[k] = p.offsets ? _mm512_loadu_ps(p.offsets + g * p.out_features + col + 16 * k) : _mm512_setzero_ps();
+    scale[k] = LoadScales(p, p.scales, g * p.out_features + col + 16 * k);
+    offset[k] = p.offsets ? LoadScales(p, p.offsets, g * p.out_features + col + 16 * k) : _mm512_setzero_ps();
   }
   TransposeLanes(scale);
   TransposeLanes(offset);
@@ -258,9 +267,10 @@ void Prefetch(const Problem& p, int64_t a, int64_t col) {
   const uint8_t* codes = p.data + a * byte_rows * p.out_features + col;
   for (int64_t j = 0; j < byte_rows; ++j) _mm_prefetch(reinterpret_cast<const char*>(codes + j * p.out_features), _MM_HINT_T0);
   const int64_t at = (a * p.block / p.group) * p.out_features + col;
-  for (int64_t k = 0; k < kColumns; k += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(p.scales + at + k), _MM_HINT_T0);
-    if (p.offsets) _mm_prefetch(reinterpret_cast<const char*>(p.offsets + at + k), _MM_HINT_T0);
+  const int64_t size = p.half ? 2 : 4;
+  for (int64_t byte = 0; byte < kColumns * size; byte += 64) {
+    _mm_prefetch(static_cast<const char*>(p.scales) + at * size + byte, _MM_HINT_T0);
+    if (p.offsets) _mm_prefetch(static_cast<const char*>(p.offsets) + at * size + byte, _MM_HINT_T0);
   }
 }
 
@@ -305,7 +315,7 @@ void BlockRangeTask(const Problem& p, int64_t begin, int64_t end, float* partial
 }
 
 ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
-                        ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets, ffi::Buffer<ffi::S32> layer,
+                        ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::Buffer<ffi::S32> layer,
                         ffi::ResultBuffer<ffi::F32> out, int64_t group_size, bool has_offsets, int64_t block) {
   const auto x_dims = x.dimensions();
   const auto data_dims = data.dimensions();
@@ -332,8 +342,14 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
   const int64_t layer_index = layer.typed_data()[0];
   const int64_t groups = p.in / p.group;
   p.data = static_cast<const uint8_t*>(data.untyped_data()) + layer_index * data_dims[1] * p.out_features;
-  p.scales = scales.typed_data() + layer_index * groups * p.out_features;
-  p.offsets = has_offsets ? offsets.typed_data() + layer_index * groups * p.out_features : nullptr;
+  p.half = scales.element_type() == ffi::DataType::F16;
+  if ((!p.half && scales.element_type() != ffi::DataType::F32) ||
+      (has_offsets && offsets.element_type() != scales.element_type())) {
+    return ffi::Error::InvalidArgument("q8 matmul: scales and offsets must both be float32 or both float16");
+  }
+  const int64_t layer_scales = layer_index * groups * p.out_features * (p.half ? 2 : 4);
+  p.scales = static_cast<const char*>(scales.untyped_data()) + layer_scales;
+  p.offsets = has_offsets ? static_cast<const char*>(offsets.untyped_data()) + layer_scales : nullptr;
   p.out = out->typed_data();
   QuantizeActivations(x.typed_data(), p);
   const int64_t blocks = p.in / p.block;
@@ -386,8 +402,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8Matmul, Q8MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::AnyBuffer>()         // data
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // offsets
+                                  .Arg<ffi::AnyBuffer>()         // scales
+                                  .Arg<ffi::AnyBuffer>()         // offsets
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<int64_t>("group_size")

@@ -13,6 +13,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer.quant.schemes import activation_block, quantize
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
@@ -69,10 +70,18 @@ def quantize_params(params: dict, scheme: str, group_size: int | None = None, in
 def with_int8_activations(params: dict) -> dict:
     """-> params whose quantized linear weights (the layers' and a quantized
     head) multiply activations quantized to int8 blocks (quant/tensor.py,
-    activation_block; the block follows each weight's groups)."""
+    activation_block; the block follows each weight's groups). Their scales
+    and offsets become float16 where that is exact (a GGUF's Q4_0 / Q4_1 /
+    Q8_0 d and m are float16 in the file): the int8-activation kernel reads
+    them with the codes, and for int4 groups of 32 float32 ones are half as
+    many bytes again as the codes."""
     def mark(w):
         if not isinstance(w, QuantizedTensor) or w.scheme not in ("int8", "int4"):
             return w
+        parts = [w.scales] + ([] if w.offsets is None else [w.offsets])
+        if all(bool(jnp.array_equal(p.astype(jnp.float16).astype(p.dtype), p)) for p in parts):
+            w = dataclasses.replace(w, scales=w.scales.astype(jnp.float16),
+                                    offsets=None if w.offsets is None else w.offsets.astype(jnp.float16))
         return dataclasses.replace(w, activation_block=activation_block(w.group_size))
 
     out = dict(params)

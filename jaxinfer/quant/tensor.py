@@ -25,8 +25,9 @@ w8a8    int8 [..., in, out], stored as int8 per       data                    sy
         the fly (quant/linear.py), so the value of
         x @ w is not the float product (opt-in)
 
-scales and offsets are float32 [..., in // group_size, out]; offsets is None
-except for int4 and regrouped int8.
+scales and offsets are float32 [..., in // group_size, out] (float16 where
+that is exact and the weight multiplies int8 activations: quant/params.py,
+with_int8_activations); offsets is None except for int4 and regrouped int8.
 
 activation_block  0: the weight multiplies the activations as they are (its
         value above, exactly). N > 0: the activations are first quantized to
