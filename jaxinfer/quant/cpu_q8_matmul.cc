@@ -212,7 +212,10 @@ void BlockDots(const int32_t* const* x, const __m512i* w, int64_t quads, __m512i
 
 // 16 scales (or offsets) from `base` at element `at`, as float32.
 __m512 LoadScales(const Problem& p, const void* base, int64_t at) {
-  if (p.half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + at)));
+  if (p.half) {
+    const uint16_t* half = static_cast<const uint16_t*>(base) + at;
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half)));
+  }
   return _mm512_loadu_ps(static_cast<const float*>(base) + at);
 }
 
@@ -265,7 +268,9 @@ void AccumulateBlock(const Problem& p, int64_t a, int64_t col, const __m512i* w,
 void Prefetch(const Problem& p, int64_t a, int64_t col) {
   const int64_t byte_rows = p.int4 ? p.block / 2 : p.block;
   const uint8_t* codes = p.data + a * byte_rows * p.out_features + col;
-  for (int64_t j = 0; j < byte_rows; ++j) _mm_prefetch(reinterpret_cast<const char*>(codes + j * p.out_features), _MM_HINT_T0);
+  for (int64_t j = 0; j < byte_rows; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(codes + j * p.out_features), _MM_HINT_T0);
+  }
   const int64_t at = (a * p.block / p.group) * p.out_features + col;
   const int64_t size = p.half ? 2 : 4;
   for (int64_t byte = 0; byte < kColumns * size; byte += 64) {
@@ -274,8 +279,8 @@ void Prefetch(const Problem& p, int64_t a, int64_t col) {
   }
 }
 
-// Many rows: one task is rows [row0, row0 + rows) x columns [col, col + 64)
-// over every input block.
+// The column split (every weight but a few rows of a wide one): one task is
+// rows [row0, row0 + rows) x columns [col, col + 64) over every input block.
 template <bool kInt4>
 void ColumnTask(const Problem& p, int64_t row0, int64_t rows, int64_t col) {
   const int64_t byte_rows = kInt4 ? p.block / 2 : p.block;
@@ -340,6 +345,9 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
         "q8 matmul: shapes do not match (blocks of 16 or 32 inputs in whole groups, out a multiple of 64)");
   }
   const int64_t layer_index = layer.typed_data()[0];
+  if (layer_index < 0 || layer_index >= data_dims[0]) {
+    return ffi::Error::InvalidArgument("q8 matmul: layer index outside the stacked weights");
+  }
   const int64_t groups = p.in / p.group;
   p.data = static_cast<const uint8_t*>(data.untyped_data()) + layer_index * data_dims[1] * p.out_features;
   p.half = scales.element_type() == ffi::DataType::F16;
@@ -372,7 +380,9 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
         for (int k = 0; k < 4; ++k) {
           const float* first = partials.data() + r * p.out_features + col + 16 * k;
           v[k] = _mm512_loadu_ps(first);
-          for (int64_t c = 1; c < chunks; ++c) v[k] = _mm512_add_ps(v[k], _mm512_loadu_ps(first + c * p.rows * p.out_features));
+          for (int64_t c = 1; c < chunks; ++c) {
+            v[k] = _mm512_add_ps(v[k], _mm512_loadu_ps(first + c * p.rows * p.out_features));
+          }
         }
         TransposeLanes(v);
         for (int k = 0; k < 4; ++k) _mm512_storeu_ps(p.out + r * p.out_features + col + 16 * k, v[k]);
