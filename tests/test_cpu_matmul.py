@@ -24,6 +24,12 @@ def test_kernels_build_here():
     assert cpu_matmul.available() and cpu_matmul.q8_available()
 
 
+def assert_matches(actual, expected):
+    """float32 results against a float64 reference: 1e-5 relative, and 1e-5 of
+    the largest magnitude for results that cancel to near zero."""
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
 def random_stacked_weight(rng, scheme, layers, in_features, out_features, group_size, offsets):
     """(QuantizedTensor [layers, ...], its float64 value [layers, in, out]) from random codes."""
     groups = in_features // group_size
@@ -54,7 +60,7 @@ def test_matches_float64(scheme, group_size, offsets, rows):
     run = jax.jit(cpu_matmul.quantized_matmul)
     for layer in (0, 2):
         expected = x.astype(np.float64) @ value[layer]
-        np.testing.assert_allclose(np.asarray(run(x, w, layer)), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        assert_matches(np.asarray(run(x, w, layer)), expected)
 
 
 def int8_blocks_float64(x, block):
@@ -73,7 +79,7 @@ def int8_blocks_float64(x, block):
 @pytest.mark.parametrize("rows", [1, 2, 7, 64])
 def test_q8_matches_float64(scheme, group_size, offsets, rows):
     rng = np.random.default_rng(rows + group_size)
-    # 320 columns: a task of four 64-column tiles and one of one.
+    # 320 columns: five 64-column tiles.
     w, value = random_stacked_weight(rng, scheme, 3, 576, 320, group_size, offsets)
     block = min(32, group_size)
     w = dataclasses.replace(w, activation_block=block)
@@ -82,7 +88,7 @@ def test_q8_matches_float64(scheme, group_size, offsets, rows):
     run = jax.jit(cpu_matmul.q8_matmul)
     for layer in (0, 2):
         expected = int8_blocks_float64(x, block) @ value[layer]
-        np.testing.assert_allclose(np.asarray(run(x, w, layer)), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        assert_matches(np.asarray(run(x, w, layer)), expected)
 
 
 @pytest.mark.parametrize("scheme,in_features", [("int8", 576), ("int4", 96)])
@@ -96,8 +102,7 @@ def test_q8_wide_weight(scheme, in_features, rows):
     w = dataclasses.replace(w, activation_block=32)
     x = rng.standard_normal((rows, in_features)).astype(np.float32)
     expected = int8_blocks_float64(x, 32) @ value[1]
-    np.testing.assert_allclose(np.asarray(jax.jit(cpu_matmul.q8_matmul)(x, w, 1)), expected, rtol=1e-5,
-                               atol=1e-5 * np.abs(expected).max())
+    assert_matches(np.asarray(jax.jit(cpu_matmul.q8_matmul)(x, w, 1)), expected)
 
 
 @pytest.mark.parametrize("rows", [1, 20])
@@ -115,8 +120,7 @@ def test_q8_float16_scales(rows):
         np.asarray(half.offsets, np.float64), 32, axis=1)
     x = rng.standard_normal((rows, 576)).astype(np.float32)
     expected = int8_blocks_float64(x, 32) @ value[0]
-    np.testing.assert_allclose(np.asarray(jax.jit(cpu_matmul.q8_matmul)(x, half, 0)), expected, rtol=1e-5,
-                               atol=1e-5 * np.abs(expected).max())
+    assert_matches(np.asarray(jax.jit(cpu_matmul.q8_matmul)(x, half, 0)), expected)
 
 
 def test_linear_with_int8_activations_same_on_every_path():
@@ -134,7 +138,7 @@ def test_linear_with_int8_activations_same_on_every_path():
         assert cpu_matmul.Q8_TARGET_NAME in native.lower(x, w, jnp.int32(1)).as_text()
         plain = jax.jit(lambda x, w: linear(x, LayerOf(w, jnp.int32(1)).layer()))
         for fn, args in ((native, (x, w, jnp.int32(1))), (plain, (x, w))):
-            np.testing.assert_allclose(np.asarray(fn(*args)), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+            assert_matches(np.asarray(fn(*args)), expected)
 
 
 def test_linear_hands_layer_of_to_the_kernel_and_the_rest_to_xla():
