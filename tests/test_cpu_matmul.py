@@ -91,12 +91,13 @@ def test_q8_matches_float64(scheme, group_size, offsets, rows):
         assert_matches(np.asarray(run(x, w, layer)), expected)
 
 
-@pytest.mark.parametrize("scheme,in_features", [("int8", 576), ("int4", 96)])
+@pytest.mark.parametrize("scheme,in_features", [("int8", 576), ("int4", 32)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 def test_q8_wide_weight(scheme, in_features, rows):
     """Weights of 4,096+ columns (a page per byte row, like the head) take
     the kernel's other split at up to 8 rows: input-block ranges summed at
-    the end (fewer blocks than ranges at 96 inputs)."""
+    the end, times column parts (65 tiles: uneven parts; 32 inputs: one
+    block, fewer than the ranges)."""
     rng = np.random.default_rng(rows)
     w, value = random_stacked_weight(rng, scheme, 2, in_features, 4160, 32, scheme == "int4")
     w = dataclasses.replace(w, activation_block=32)

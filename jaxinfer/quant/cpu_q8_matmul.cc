@@ -55,14 +55,18 @@ namespace {
 constexpr int64_t kColumns = 64;     // output columns of a tile: 4 vectors of 16
 constexpr int64_t kRowBlock = 16;    // rows per column task, sharing the weights' transposition
 // Few rows of a weight whose byte rows span a page or more (the head: 49,152
-// bytes): tasks split the input blocks instead of the columns (see
-// BlockRangeTask), into kBlockRanges ranges whose partial sums add up at the
-// end. Measured at one row: the default model's head 1.85 -> 1.28 ms; its
-// 1,536-byte-wide layer weights ran 2x slower that way (a task per range is
-// too coarse to share with a helper thread that starts late).
+// bytes): tasks walk the input blocks' rows front to back (BlockRangeTask),
+// kBlockRanges ranges of blocks, whose partial sums add up at the end, times
+// kColumnParts parts of the columns. Measured on the default model's head
+// (Q8_0, float16 scales): column tiles alone 1.85 ms at one row; 4 block
+// ranges 1.28 ms at one row, 4.4 ms at eight (a partial of 8 rows spans
+// 1.5 MB, past the L2); 2 ranges x 8 parts 1.07-1.11 ms and 2.4 ms (16 tasks
+// also share better with a helper thread that starts late). The model's
+// 1,536-byte-wide layer weights ran 2x slower split by blocks than by tiles.
 constexpr int64_t kFewRows = 8;
 constexpr int64_t kPageBytes = 4096;
-constexpr int64_t kBlockRanges = 4;
+constexpr int64_t kBlockRanges = 2;
+constexpr int64_t kColumnParts = 8;
 // ColumnTask prefetches the weights of the block this far ahead (Prefetch):
 // the default model's seven projections x 30 layers (100 MB with scales and
 // offsets, more than the L3), 4 rows 6.8-8.0 -> 4.8 ms with the codes
@@ -301,18 +305,22 @@ void ColumnTask(const Problem& p, int64_t row0, int64_t rows, int64_t col) {
   }
 }
 
-// Few rows of a wide weight: one task is every row and column over input
-// blocks [begin, end), walking each block's weight rows front to back (every
-// column tile before the next block), summed into its own partial [rows,
-// out] (lane order). Column strips would read a 64-byte piece of every row,
-// a new page each time.
+// Few rows of a wide weight: one task is every row and columns [col_begin,
+// col_end) over input blocks [begin, end), walking each block's weight rows
+// front to back (every column tile of the part before the next block),
+// summed into those columns of its block range's partial [rows, out] (lane
+// order). Column strips would read a 64-byte piece of every row, a new page
+// each time.
 template <bool kInt4>
-void BlockRangeTask(const Problem& p, int64_t begin, int64_t end, float* partial) {
+void BlockRangeTask(const Problem& p, int64_t begin, int64_t end, int64_t col_begin, int64_t col_end,
+                    float* partial) {
   const int64_t byte_rows = kInt4 ? p.block / 2 : p.block;
   alignas(64) __m512i w[32];
-  std::fill_n(partial, p.rows * p.out_features, 0.0f);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    std::fill(partial + r * p.out_features + col_begin, partial + r * p.out_features + col_end, 0.0f);
+  }
   for (int64_t a = begin; a < end; ++a) {
-    for (int64_t col = 0; col < p.out_features; col += kColumns) {
+    for (int64_t col = col_begin; col < col_end; col += kColumns) {
       PrepareWeights<kInt4>(p.data + a * byte_rows * p.out_features + col, p.out_features, byte_rows / 4, w);
       AccumulateBlock<kInt4>(p, a, col, w, 0, p.rows, partial + col, p.out_features);
     }
@@ -365,13 +373,16 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
     const int64_t chunks = std::min(blocks, kBlockRanges);
     std::vector<float>& partials = PartialsBuffer();
     partials.resize(chunks * p.rows * p.out_features);
-    jaxinfer::ParallelFor(thread_pool, chunks, [&p, &partials, blocks, chunks](int64_t chunk) {
+    const int64_t tiles = p.out_features / kColumns, parts = std::min(tiles, kColumnParts);
+    jaxinfer::ParallelFor(thread_pool, chunks * parts, [&p, &partials, blocks, chunks, tiles, parts](int64_t task) {
+      const int64_t chunk = task / parts, part = task % parts;
       const int64_t begin = chunk * blocks / chunks, end = (chunk + 1) * blocks / chunks;
+      const int64_t col_begin = part * tiles / parts * kColumns, col_end = (part + 1) * tiles / parts * kColumns;
       float* partial = partials.data() + chunk * p.rows * p.out_features;
       if (p.int4) {
-        BlockRangeTask<true>(p, begin, end, partial);
+        BlockRangeTask<true>(p, begin, end, col_begin, col_end, partial);
       } else {
-        BlockRangeTask<false>(p, begin, end, partial);
+        BlockRangeTask<false>(p, begin, end, col_begin, col_end, partial);
       }
     });
     for (int64_t r = 0; r < p.rows; ++r) {
