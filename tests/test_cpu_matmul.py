@@ -51,10 +51,11 @@ def random_stacked_weight(rng, scheme, layers, in_features, out_features, group_
 
 @pytest.mark.parametrize("scheme,group_size,offsets", [("int4", 32, True), ("int8", 32, False), ("int8", 16, True),
                                                        ("int8", 576, False), ("int4", 576, True)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13])
 def test_matches_float64(scheme, group_size, offsets, rows):
     rng = np.random.default_rng(rows + group_size)
-    # 1000 columns: several chunks of 256 and a partial one.
+    # 1000 columns: several chunks of 256 and a partial one; 13 rows: a block
+    # of 8 and one of 5.
     w, value = random_stacked_weight(rng, scheme, 3, 576, 1000, group_size, offsets)
     x = rng.standard_normal((rows, 576)).astype(np.float32)
     run = jax.jit(cpu_matmul.quantized_matmul)
@@ -143,17 +144,19 @@ def test_linear_with_int8_activations_same_on_every_path():
 
 
 def test_linear_hands_layer_of_to_the_kernel_and_the_rest_to_xla():
-    """linear() on LayerOf runs the kernel up to 8 rows and the XLA path (on
-    the sliced layer) past that: the same values either way."""
+    """linear() on LayerOf runs the kernel up to MAX_ROWS rows (MAX_ROWS_WIDE
+    for a weight a page wide, like the head) and the XLA path (on the sliced
+    layer) past that: the same values either way."""
     rng = np.random.default_rng(0)
-    w, value = random_stacked_weight(rng, "int4", 2, 64, 48, 32, True)
-    for rows in (3, 9):
-        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
-        fn = jax.jit(lambda x, w, i: linear(x, LayerOf(w, i)))
-        hlo = fn.lower(x, w, jnp.int32(1)).as_text()
-        assert (cpu_matmul.TARGET_NAME in hlo) == (rows <= cpu_matmul.MAX_ROWS)
-        np.testing.assert_allclose(np.asarray(fn(x, w, jnp.int32(1))), np.asarray(x, np.float64) @ value[1],
-                                   rtol=1e-5, atol=1e-5)
+    narrow = random_stacked_weight(rng, "int4", 2, 64, 48, 32, True)
+    wide = random_stacked_weight(rng, "int8", 2, 64, cpu_matmul.WIDE_COLUMNS, 32, False)
+    for (w, value), max_rows in ((narrow, cpu_matmul.MAX_ROWS), (wide, cpu_matmul.MAX_ROWS_WIDE)):
+        for rows in (3, max_rows, max_rows + 1):
+            x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+            fn = jax.jit(lambda x, w, i: linear(x, LayerOf(w, i)))
+            hlo = fn.lower(x, w, jnp.int32(1)).as_text()
+            assert (cpu_matmul.TARGET_NAME in hlo) == (rows <= max_rows)
+            assert_matches(np.asarray(fn(x, w, jnp.int32(1))), np.asarray(x, np.float64) @ value[1])
 
 
 def test_model_forward_uses_the_kernel_only_when_allowed(tiny_llama_quantized):

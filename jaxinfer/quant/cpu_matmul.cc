@@ -1,9 +1,11 @@
-// Few-row matmul of float32 activations by grouped int8 / int4 weights for
+// Matmul of a few rows of float32 activations by grouped int8 / int4 weights for
 // XLA:CPU, through the XLA FFI (quant/cpu_matmul.py builds and registers it).
 //
 // Why it exists: XLA does not fuse a convert into a dot, so quant/linear.py's
-// XLA path writes a float32 copy of every weight on every call; at 1-8 rows
-// (decode at batch 1, speculative verification) that copy is the step. Here
+// XLA path writes a float32 copy of every weight on every call; at a few rows
+// (decode at small batches, speculative verification) that copy is the step,
+// and up to 16 rows this kernel's float dots still win
+// (quant/cpu_matmul.py, MAX_ROWS says where it stops paying). Here
 // the codes are read once, in place, from the stacked weights of all layers
 // (a per-layer slice handed to a custom call would itself be copied by XLA).
 //
@@ -18,8 +20,9 @@
 // numbers as the dequantized weight, rounded in another order.
 //
 // Work: the output columns are cut into chunks shared by the calling thread
-// and XLA's intra-op pool (cpu_parallel.h); a chunk streams its columns of each weight row in
-// order, so the weights are read sequentially.
+// and XLA's intra-op pool (cpu_parallel.h); a chunk streams its columns of
+// each weight row in order, so the weights are read sequentially, once per
+// block of 8 rows (the first from memory, the others from the cache).
 #include <algorithm>
 #include <cstdint>
 
@@ -30,8 +33,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;
-constexpr int64_t kChunk = 256;  // output columns per task
+constexpr int64_t kRowBlock = 8;  // rows MatmulColumns keeps in flight
+constexpr int64_t kChunk = 256;   // output columns per task
 
 struct Problem {
   const float* x;
@@ -104,18 +107,29 @@ void MatmulColumns(const Problem& p, int64_t begin, int64_t end) {
   for (int64_t r = 0; r < kRows; ++r) std::copy_n(result[r], width, p.out + r * p.out_features + begin);
 }
 
+// Rows [row0, row0 + min(kRowBlock, rows - row0)) of one chunk of columns.
+void MatmulRowBlock(const Problem& p, int64_t row0, int64_t begin, int64_t end) {
+  Problem block = p;
+  block.x = p.x + row0 * p.in;
+  block.out = p.out + row0 * p.out_features;
+  block.rows = std::min(kRowBlock, p.rows - row0);
+  switch (block.rows) {
+    case 1: return MatmulColumns<1>(block, begin, end);
+    case 2: return MatmulColumns<2>(block, begin, end);
+    case 3: return MatmulColumns<3>(block, begin, end);
+    case 4: return MatmulColumns<4>(block, begin, end);
+    case 5: return MatmulColumns<5>(block, begin, end);
+    case 6: return MatmulColumns<6>(block, begin, end);
+    case 7: return MatmulColumns<7>(block, begin, end);
+    default: return MatmulColumns<8>(block, begin, end);
+  }
+}
+
+// Every row block of one chunk of columns, one after another: the chunk's
+// codes come from memory for the first and from the cache for the others.
 void MatmulChunk(const Problem& p, int64_t chunk) {
   const int64_t begin = chunk * kChunk, end = std::min(p.out_features, begin + kChunk);
-  switch (p.rows) {
-    case 1: return MatmulColumns<1>(p, begin, end);
-    case 2: return MatmulColumns<2>(p, begin, end);
-    case 3: return MatmulColumns<3>(p, begin, end);
-    case 4: return MatmulColumns<4>(p, begin, end);
-    case 5: return MatmulColumns<5>(p, begin, end);
-    case 6: return MatmulColumns<6>(p, begin, end);
-    case 7: return MatmulColumns<7>(p, begin, end);
-    default: return MatmulColumns<8>(p, begin, end);
-  }
+  for (int64_t row0 = 0; row0 < p.rows; row0 += kRowBlock) MatmulRowBlock(p, row0, begin, end);
 }
 
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
@@ -142,9 +156,12 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32
   p.out_features = data_dims[2];
   p.group = group_size;
   p.layer = layer.typed_data()[0];
-  if (p.rows < 1 || p.rows > kMaxRows || p.in != data_dims[1] * (p.int4 ? 2 : 1) || p.group <= 0 ||
-      p.in % p.group != 0 || (p.int4 && p.group % 2 != 0)) {
-    return ffi::Error::InvalidArgument("quantized matmul: shapes do not match (rows <= 8, whole groups)");
+  if (p.layer < 0 || p.layer >= data_dims[0]) {
+    return ffi::Error::InvalidArgument("quantized matmul: layer index outside the stacked weights");
+  }
+  if (p.rows < 1 || p.in != data_dims[1] * (p.int4 ? 2 : 1) || p.group <= 0 || p.in % p.group != 0 ||
+      (p.int4 && p.group % 2 != 0)) {
+    return ffi::Error::InvalidArgument("quantized matmul: shapes do not match (whole groups)");
   }
   jaxinfer::ParallelFor(thread_pool, (p.out_features + kChunk - 1) / kChunk,
                         [&p](int64_t chunk) { MatmulChunk(p, chunk); });

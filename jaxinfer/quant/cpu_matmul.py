@@ -2,7 +2,8 @@
 built with the machine's C++ compiler on first use (jaxinfer/utils.py,
 native_library):
 
-  cpu_matmul.cc     float32 activations, 1-8 rows: the weight's exact value
+  cpu_matmul.cc     float32 activations, 1-16 rows (1-8 for the head): the
+                    weight's exact value
   cpu_q8_matmul.cc  activations quantized to int8 blocks on the fly (weights
                     with activation_block, quant/tensor.py), any number of
                     rows: int8 dots (AVX512-VNNI; without it the build fails
@@ -10,7 +11,7 @@ native_library):
 
 Why native code: XLA does not fuse a convert into a dot, so the XLA path
 (quant/linear.py) writes a float32 copy of each weight on every call, which
-at 1-8 rows (decode at batch 1, speculative verification) is most of the
+at a few rows (decode at small batches, speculative verification) is most of the
 step, and past that a float32 dot is compute-bound. The kernels read the
 codes once, in place, from the stacked weights of every layer plus a layer
 index (quant/tensor.py, LayerOf): a per-layer slice handed to a custom call
@@ -30,7 +31,16 @@ from jaxinfer.utils import native_ffi_target
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_quantized_matmul"
-MAX_ROWS = 8  # more rows: the XLA path, where the float copy is shared by enough rows to pay
+# Rows up to which the exact kernel beats XLA's path (a float copy of the
+# weight, then a GEMM that shares it across the rows), measured on the 2-core
+# dev VM: the default model's seven projections x 30 layers at 12 / 16 / 24 /
+# 32 rows took 16-18 / 19-24 / 27-31 / 35 ms in the kernel against 25-33 /
+# 24-50 / 27-48 / 30 ms in XLA. A weight a page wide or more (the head,
+# 49,152 columns) stops paying past 8 rows: 6.1 / 7.4 ms at 12 / 16 rows
+# against 5.3 / 5.8 ms for XLA's dot over the float table.
+MAX_ROWS = 16
+MAX_ROWS_WIDE = 8
+WIDE_COLUMNS = 4096
 Q8_SOURCE = Path(__file__).with_name("cpu_q8_matmul.cc")
 Q8_TARGET_NAME = "jaxinfer_q8_matmul"
 Q8_COLUMNS = 64  # the int8-activation kernel's output columns per tile
@@ -44,7 +54,8 @@ def available() -> bool:
 def supports(rows: int, w: QuantizedTensor) -> bool:
     """Whether the kernel serves x [rows, in] @ w (w with at most one leading
     layer axis) on this backend."""
-    return (jax.default_backend() == "cpu" and 1 <= rows <= MAX_ROWS and w.scheme in ("int8", "int4")
+    max_rows = MAX_ROWS_WIDE if w.out_features >= WIDE_COLUMNS else MAX_ROWS
+    return (jax.default_backend() == "cpu" and 1 <= rows <= max_rows and w.scheme in ("int8", "int4")
             and w.scales.dtype == jnp.float32 and w.data.ndim in (2, 3)
             and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
 
