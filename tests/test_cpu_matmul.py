@@ -51,12 +51,15 @@ def random_stacked_weight(rng, scheme, layers, in_features, out_features, group_
 
 @pytest.mark.parametrize("scheme,group_size,offsets", [("int4", 32, True), ("int8", 32, False), ("int8", 16, True),
                                                        ("int8", 576, False), ("int4", 576, True)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13])
-def test_matches_float64(scheme, group_size, offsets, rows):
+@pytest.mark.parametrize("rows,out_features", [(1, 1000), (2, 1000), (5, 1000), (8, 1000), (13, 1000), (9, 192),
+                                                (23, 192), (40, 128)])
+def test_matches_float64(scheme, group_size, offsets, rows, out_features):
+    """Up to 8 rows: chunks of 256 columns (1000: several and a partial one).
+    Past 8, tiles of 64 columns and 6 rows in tasks of 18 rows (23 and 40
+    rows: partial tiles and tasks), or, where the columns are no multiple of
+    64, blocks of 8 rows (13: a block of 8 and one of 5)."""
     rng = np.random.default_rng(rows + group_size)
-    # 1000 columns: several chunks of 256 and a partial one; 13 rows: a block
-    # of 8 and one of 5.
-    w, value = random_stacked_weight(rng, scheme, 3, 576, 1000, group_size, offsets)
+    w, value = random_stacked_weight(rng, scheme, 3, 576, out_features, group_size, offsets)
     x = rng.standard_normal((rows, 576)).astype(np.float32)
     run = jax.jit(cpu_matmul.quantized_matmul)
     for layer in (0, 2):
@@ -144,19 +147,16 @@ def test_linear_with_int8_activations_same_on_every_path():
 
 
 def test_linear_hands_layer_of_to_the_kernel_and_the_rest_to_xla():
-    """linear() on LayerOf runs the kernel up to MAX_ROWS rows (MAX_ROWS_WIDE
-    for a weight a page wide, like the head) and the XLA path (on the sliced
-    layer) past that: the same values either way."""
+    """linear() on LayerOf runs the kernel up to MAX_ROWS rows and the XLA
+    path (on the sliced layer) past that: the same values either way."""
     rng = np.random.default_rng(0)
-    narrow = random_stacked_weight(rng, "int4", 2, 64, 48, 32, True)
-    wide = random_stacked_weight(rng, "int8", 2, 64, cpu_matmul.WIDE_COLUMNS, 32, False)
-    for (w, value), max_rows in ((narrow, cpu_matmul.MAX_ROWS), (wide, cpu_matmul.MAX_ROWS_WIDE)):
-        for rows in (3, max_rows, max_rows + 1):
-            x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
-            fn = jax.jit(lambda x, w, i: linear(x, LayerOf(w, i)))
-            hlo = fn.lower(x, w, jnp.int32(1)).as_text()
-            assert (cpu_matmul.TARGET_NAME in hlo) == (rows <= max_rows)
-            assert_matches(np.asarray(fn(x, w, jnp.int32(1))), np.asarray(x, np.float64) @ value[1])
+    w, value = random_stacked_weight(rng, "int4", 2, 64, 128, 32, True)
+    for rows in (3, cpu_matmul.MAX_ROWS, cpu_matmul.MAX_ROWS + 1):
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        fn = jax.jit(lambda x, w, i: linear(x, LayerOf(w, i)))
+        hlo = fn.lower(x, w, jnp.int32(1)).as_text()
+        assert (cpu_matmul.TARGET_NAME in hlo) == (rows <= cpu_matmul.MAX_ROWS)
+        assert_matches(np.asarray(fn(x, w, jnp.int32(1))), np.asarray(x, np.float64) @ value[1])
 
 
 def test_model_forward_uses_the_kernel_only_when_allowed(tiny_llama_quantized):

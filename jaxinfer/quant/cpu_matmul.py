@@ -2,8 +2,8 @@
 built with the machine's C++ compiler on first use (jaxinfer/utils.py,
 native_library):
 
-  cpu_matmul.cc     float32 activations, 1-16 rows (1-8 for the head): the
-                    weight's exact value
+  cpu_matmul.cc     float32 activations, up to MAX_ROWS rows: the weight's
+                    exact value
   cpu_q8_matmul.cc  activations quantized to int8 blocks on the fly (weights
                     with activation_block, quant/tensor.py), any number of
                     rows: int8 dots (AVX512-VNNI; without it the build fails
@@ -33,14 +33,10 @@ SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_quantized_matmul"
 # Rows up to which the exact kernel beats XLA's path (a float copy of the
 # weight, then a GEMM that shares it across the rows), measured on the 2-core
-# dev VM: the default model's seven projections x 30 layers at 12 / 16 / 24 /
-# 32 rows took 16-18 / 19-24 / 27-31 / 35 ms in the kernel against 25-33 /
-# 24-50 / 27-48 / 30 ms in XLA. A weight a page wide or more (the head,
-# 49,152 columns) stops paying past 8 rows: 6.1 / 7.4 ms at 12 / 16 rows
-# against 5.3 / 5.8 ms for XLA's dot over the float table.
-MAX_ROWS = 16
-MAX_ROWS_WIDE = 8
-WIDE_COLUMNS = 4096
+# dev VM: the default model's seven projections x 30 layers at 16 / 32 / 64 /
+# 128 rows took 16-19 / 25 / 43-44 / 82 ms in the kernel against 23-29 / 31 /
+# 50 / 87-88 ms in XLA; at 256 rows XLA wins (153-166 against 170-177 ms).
+MAX_ROWS = 128
 Q8_SOURCE = Path(__file__).with_name("cpu_q8_matmul.cc")
 Q8_TARGET_NAME = "jaxinfer_q8_matmul"
 Q8_COLUMNS = 64  # the int8-activation kernel's output columns per tile
@@ -54,8 +50,7 @@ def available() -> bool:
 def supports(rows: int, w: QuantizedTensor) -> bool:
     """Whether the kernel serves x [rows, in] @ w (w with at most one leading
     layer axis) on this backend."""
-    max_rows = MAX_ROWS_WIDE if w.out_features >= WIDE_COLUMNS else MAX_ROWS
-    return (jax.default_backend() == "cpu" and 1 <= rows <= max_rows and w.scheme in ("int8", "int4")
+    return (jax.default_backend() == "cpu" and 1 <= rows <= MAX_ROWS and w.scheme in ("int8", "int4")
             and w.scales.dtype == jnp.float32 and w.data.ndim in (2, 3)
             and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
 
