@@ -22,11 +22,16 @@
 // against every cached key (kept in a buffer, ~context_len floats a row), a
 // softmax per row, then the weighted sum of values. Tasks are shared between
 // the calling thread and XLA's intra-op thread pool (cpu_parallel.h).
+#if defined(__AVX512F__)
+#include <immintrin.h>  // only the AVX-512 paths; the rest builds on any CPU
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "jaxinfer/cpu_parallel.h"
@@ -108,11 +113,12 @@ struct Problem {
   int64_t layer, num_blocks, block_size, num_kv_heads, head_dim, num_heads, rows, max_blocks, sliding_window;
 };
 
-// Calls visit(position, pool_row) for positions [0, end) of sequence `seq`
-// and KV head `kv_head`, a block at a time (no division per token).
+// Calls visit(start, count, first_row) for each block of positions [0, end)
+// of sequence `seq`: positions [start, start + count), whose rows for KV head
+// `kv_head` are first_row + t * num_kv_heads (the heads of a token side by side).
 template <typename Visit>
-inline void ForEachKey(const Problem& p, const RowReader& reader, int64_t seq, int64_t kv_head, int64_t end,
-                       Visit visit) {
+inline void ForEachBlock(const Problem& p, const RowReader& reader, int64_t seq, int64_t kv_head, int64_t end,
+                         Visit visit) {
   const int32_t* table = p.block_tables + seq * p.max_blocks;
   const int64_t block_rows = p.block_size * p.num_kv_heads;
   const int64_t layer_row = p.layer * p.num_blocks * block_rows;
@@ -126,10 +132,119 @@ inline void ForEachKey(const Problem& p, const RowReader& reader, int64_t seq, i
       for (int64_t b = 0; b < block_rows * reader.row_bytes; b += 64) __builtin_prefetch(next + b);
     }
     const int64_t start = j * p.block_size;
-    const int64_t first_row = layer_row + table[j] * block_rows + kv_head;
-    const int64_t count = std::min(p.block_size, end - start);
-    for (int64_t t = 0; t < count; ++t) visit(start + t, first_row + t * p.num_kv_heads);
+    visit(start, std::min(p.block_size, end - start), layer_row + table[j] * block_rows + kv_head);
   }
+}
+
+// Calls visit(position, pool_row) for positions [0, end), a block at a time
+// (no division per token).
+template <typename Visit>
+inline void ForEachKey(const Problem& p, const RowReader& reader, int64_t seq, int64_t kv_head, int64_t end,
+                       Visit visit) {
+  ForEachBlock(p, reader, seq, kv_head, end, [&](int64_t start, int64_t count, int64_t first_row) {
+    for (int64_t t = 0; t < count; ++t) visit(start + t, first_row + t * p.num_kv_heads);
+  });
+}
+
+#if defined(__AVX512F__)
+// The float32 pool's inner loops with a head dimension known at compile time,
+// for a block of tokens and kRows query rows of one KV head: the rows' queries
+// (ScoreRows) or output sums (AccumulateRows) stay in registers across the
+// block's tokens, and each key or value row is loaded once for all of them.
+// The loops over single keys (AttendSequence's general path) reloaded the
+// query for every dot and loaded and stored the sums for every value: the
+// default model's shapes (3 KV heads of 3 query heads, head dim 64) over 140
+// tokens x 30 layers, 32 / 8 / 1 sequences, took 15.8 / 4.3 / 0.44 ms there
+// and take 12.4 / 3.0 / 0.29 ms here (the softmax's exp is 1.8 ms of the 12.4).
+template <int64_t kHeadDim>
+constexpr int kRowsInRegisters = kHeadDim <= 64 ? 4 : 2;  // 16 vectors of queries or sums
+
+template <int64_t kHeadDim, int kRows>
+void ScoreRows(const float* keys, int64_t key_stride, int64_t count, const float* queries, float* scores,
+               int64_t score_stride) {
+  constexpr int kVectors = kHeadDim / 16;
+  __m512 q[kRows][kVectors];
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < kVectors; ++v) q[r][v] = _mm512_loadu_ps(queries + r * kHeadDim + 16 * v);
+  for (int64_t t = 0; t < count; ++t) {
+    __m512 key[kVectors];
+    for (int v = 0; v < kVectors; ++v) key[v] = _mm512_loadu_ps(keys + t * key_stride + 16 * v);
+    for (int r = 0; r < kRows; ++r) {
+      __m512 dot = _mm512_mul_ps(q[r][0], key[0]);
+      for (int v = 1; v < kVectors; ++v) dot = _mm512_fmadd_ps(q[r][v], key[v], dot);
+      scores[r * score_stride + t] = _mm512_reduce_add_ps(dot);
+    }
+  }
+}
+
+template <int64_t kHeadDim, int kRows>
+void AccumulateRows(const float* values, int64_t value_stride, int64_t count, const float* weights,
+                    int64_t weight_stride, float* sums) {
+  constexpr int kVectors = kHeadDim / 16;
+  __m512 acc[kRows][kVectors];
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_loadu_ps(sums + r * kHeadDim + 16 * v);
+  for (int64_t t = 0; t < count; ++t) {
+    __m512 value[kVectors];
+    for (int v = 0; v < kVectors; ++v) value[v] = _mm512_loadu_ps(values + t * value_stride + 16 * v);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 weight = _mm512_set1_ps(weights[r * weight_stride + t]);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(weight, value[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(sums + r * kHeadDim + 16 * v, acc[r][v]);
+}
+
+// Calls body(std::integral_constant<int, n>, row) for rows [begin, end) in
+// runs of n = kRowsInRegisters rows (the last run shorter).
+template <int64_t kHeadDim, typename Body>
+void ForEachRowRun(int64_t begin, int64_t end, Body body) {
+  constexpr int kRun = kRowsInRegisters<kHeadDim>;
+  int64_t row = begin;
+  for (; row + kRun <= end; row += kRun) body(std::integral_constant<int, kRun>{}, row);
+  switch (end - row) {
+    case 1: body(std::integral_constant<int, 1>{}, row); break;
+    case 2: if constexpr (kRun > 2) body(std::integral_constant<int, 2>{}, row); break;
+    case 3: if constexpr (kRun > 3) body(std::integral_constant<int, 3>{}, row); break;
+    default: break;
+  }
+}
+#endif  // __AVX512F__
+
+// The scores pass (kScores: scores[row, pos] = queries[row] . key[pos]) or the
+// values pass (sums[row] += scores[row, pos] * value[pos]) over a float32
+// pool with the register loops above; false, doing nothing, where they do not
+// apply (another pool type, a head dimension not compiled in, no AVX-512):
+// the caller's general loop runs instead.
+template <int64_t kHeadDim, bool kScores>
+bool FloatPoolPass(const Problem& p, int64_t seq, int64_t head_begin, int64_t num_heads, int64_t rows_per_head,
+                   int64_t context_len, float* rows, float* scores) {
+#if defined(__AVX512F__)
+  if constexpr (kHeadDim > 0) {
+    const RowReader& reader = kScores ? p.k : p.v;
+    if (reader.dtype != ffi::DataType::F32) return false;
+    const float* pool = static_cast<const float*>(reader.pool);
+    const int64_t stride = p.num_kv_heads * kHeadDim;  // one token to the next, same head
+    ForEachBlock(p, reader, seq, head_begin, context_len, [&](int64_t start, int64_t count, int64_t first_row) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float* pool_rows = pool + (first_row + h) * kHeadDim;
+        ForEachRowRun<kHeadDim>(h * rows_per_head, (h + 1) * rows_per_head, [&](auto run, int64_t row) {
+          constexpr int kRows = decltype(run)::value;
+          if constexpr (kScores) {
+            ScoreRows<kHeadDim, kRows>(pool_rows, stride, count, rows + row * kHeadDim,
+                                       scores + row * context_len + start, context_len);
+          } else {
+            AccumulateRows<kHeadDim, kRows>(pool_rows, stride, count, scores + row * context_len + start,
+                                            context_len, rows + row * kHeadDim);
+          }
+        });
+      }
+    });
+    return true;
+  }
+#endif
+  return false;
 }
 
 // Attention of sequence `seq`'s query rows for KV heads [head_begin,
@@ -169,18 +284,20 @@ void AttendSequence(const Problem& p, int64_t seq, int64_t head_begin, int64_t h
     last[row] = std::max(first[row], std::min<int64_t>(context_len, query_pos + 1));
   }
   float buffer[kMaxHeadDim];
-  ForEachKey(p, p.k, seq, head_begin, context_len, [&](int64_t pos, int64_t pool_row) {
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const float* key = p.k.Read(pool_row + h, head_dim, buffer);
-      for (int64_t row = h * rows_per_head; row < (h + 1) * rows_per_head; ++row) {
-        const float* q = queries + row * head_dim;
-        float dot = 0.0f;
+  if (!FloatPoolPass<kHeadDim, true>(p, seq, head_begin, num_heads, rows_per_head, context_len, queries, scores)) {
+    ForEachKey(p, p.k, seq, head_begin, context_len, [&](int64_t pos, int64_t pool_row) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float* key = p.k.Read(pool_row + h, head_dim, buffer);
+        for (int64_t row = h * rows_per_head; row < (h + 1) * rows_per_head; ++row) {
+          const float* q = queries + row * head_dim;
+          float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * key[d];
-        scores[row * context_len + pos] = dot;
+          for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * key[d];
+          scores[row * context_len + pos] = dot;
+        }
       }
-    }
-  });
+    });
+  }
   // Softmax per row over its visible keys; the others get weight 0.
   std::vector<float> inverse_sums(num_rows);
   for (int64_t row = 0; row < num_rows; ++row) {
@@ -196,17 +313,19 @@ void AttendSequence(const Problem& p, int64_t seq, int64_t head_begin, int64_t h
   }
   float* acc = queries;  // the queries are spent: accumulate the outputs there
   std::fill_n(acc, num_rows * head_dim, 0.0f);
-  ForEachKey(p, p.v, seq, head_begin, context_len, [&](int64_t pos, int64_t pool_row) {
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const float* value = p.v.Read(pool_row + h, head_dim, buffer);
-      for (int64_t row = h * rows_per_head; row < (h + 1) * rows_per_head; ++row) {
-        const float weight = scores[row * context_len + pos];
-        float* o = acc + row * head_dim;
+  if (!FloatPoolPass<kHeadDim, false>(p, seq, head_begin, num_heads, rows_per_head, context_len, acc, scores)) {
+    ForEachKey(p, p.v, seq, head_begin, context_len, [&](int64_t pos, int64_t pool_row) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float* value = p.v.Read(pool_row + h, head_dim, buffer);
+        for (int64_t row = h * rows_per_head; row < (h + 1) * rows_per_head; ++row) {
+          const float weight = scores[row * context_len + pos];
+          float* o = acc + row * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * value[d];
+          for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * value[d];
+        }
       }
-    }
-  });
+    });
+  }
   for (int64_t row = 0; row < num_rows; ++row) {
     float* o = p.out + io_offset(row);
     for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[row * head_dim + d] * inverse_sums[row];

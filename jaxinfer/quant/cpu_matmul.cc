@@ -23,7 +23,9 @@
 // and XLA's intra-op pool (cpu_parallel.h); a chunk streams its columns of
 // each weight row in order, so the weights are read sequentially, once per
 // block of 8 rows (the first from memory, the others from the cache).
-#include <immintrin.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>  // only the AVX-512 paths; the rest builds on any CPU
+#endif
 
 #include <algorithm>
 #include <cstdint>
