@@ -70,6 +70,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+@functools.cache
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU reports `flag` (e.g. "avx512f") in /proc/cpuinfo:
+    the native kernels are compiled for the machine (-march=native), and
+    some of their paths, and so where they pay, depend on it."""
+    return flag in _cpu_flags().split()
+
+
 def native_library(source: str):
     """A C++ XLA FFI kernel (`source`, a .cc file in the package) built with
     the machine's compiler and loaded (ctypes.CDLL). Built once per source,

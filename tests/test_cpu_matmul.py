@@ -147,15 +147,17 @@ def test_linear_with_int8_activations_same_on_every_path():
 
 
 def test_linear_hands_layer_of_to_the_kernel_and_the_rest_to_xla():
-    """linear() on LayerOf runs the kernel up to MAX_ROWS rows and the XLA
-    path (on the sliced layer) past that: the same values either way."""
+    """linear() on LayerOf runs the kernel up to max_rows() rows (128 with
+    AVX-512) and the XLA path (on the sliced layer) past that: the same
+    values either way."""
     rng = np.random.default_rng(0)
     w, value = random_stacked_weight(rng, "int4", 2, 64, 128, 32, True)
-    for rows in (3, cpu_matmul.MAX_ROWS, cpu_matmul.MAX_ROWS + 1):
+    max_rows = cpu_matmul.max_rows()
+    for rows in (3, max_rows, max_rows + 1):
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
         fn = jax.jit(lambda x, w, i: linear(x, LayerOf(w, i)))
         hlo = fn.lower(x, w, jnp.int32(1)).as_text()
-        assert (cpu_matmul.TARGET_NAME in hlo) == (rows <= cpu_matmul.MAX_ROWS)
+        assert (cpu_matmul.TARGET_NAME in hlo) == (rows <= max_rows)
         assert_matches(np.asarray(fn(x, w, jnp.int32(1))), np.asarray(x, np.float64) @ value[1])
 
 

@@ -2,7 +2,7 @@
 built with the machine's C++ compiler on first use (jaxinfer/utils.py,
 native_library):
 
-  cpu_matmul.cc     float32 activations, up to MAX_ROWS rows: the weight's
+  cpu_matmul.cc     float32 activations, up to max_rows() rows: the weight's
                     exact value
   cpu_q8_matmul.cc  activations quantized to int8 blocks on the fly (weights
                     with activation_block, quant/tensor.py), any number of
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.quant.tensor import QuantizedTensor
-from jaxinfer.utils import native_ffi_target
+from jaxinfer.utils import cpu_has, native_ffi_target
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_quantized_matmul"
@@ -36,7 +36,11 @@ TARGET_NAME = "jaxinfer_quantized_matmul"
 # dev VM: the default model's seven projections x 30 layers at 16 / 32 / 64 /
 # 128 rows took 16-19 / 25 / 43-44 / 82 ms in the kernel against 23-29 / 31 /
 # 50 / 87-88 ms in XLA; at 256 rows XLA wins (153-166 against 170-177 ms).
+# Past 8 rows that is the kernel's AVX-512 register-tiled path; a CPU without
+# AVX-512 runs its few-row loop there, which lost to XLA from ~24 rows, so it
+# keeps the earlier limit.
 MAX_ROWS = 128
+MAX_ROWS_WITHOUT_AVX512 = 8
 Q8_SOURCE = Path(__file__).with_name("cpu_q8_matmul.cc")
 Q8_TARGET_NAME = "jaxinfer_q8_matmul"
 Q8_COLUMNS = 64  # the int8-activation kernel's output columns per tile
@@ -47,10 +51,15 @@ def available() -> bool:
     return native_ffi_target(str(SOURCE), "JaxinferQuantizedMatmul", TARGET_NAME)
 
 
+def max_rows() -> int:
+    """The rows up to which supports() takes the exact kernel on this CPU."""
+    return MAX_ROWS if cpu_has("avx512f") else MAX_ROWS_WITHOUT_AVX512
+
+
 def supports(rows: int, w: QuantizedTensor) -> bool:
     """Whether the kernel serves x [rows, in] @ w (w with at most one leading
     layer axis) on this backend."""
-    return (jax.default_backend() == "cpu" and 1 <= rows <= MAX_ROWS and w.scheme in ("int8", "int4")
+    return (jax.default_backend() == "cpu" and 1 <= rows <= max_rows() and w.scheme in ("int8", "int4")
             and w.scales.dtype == jnp.float32 and w.data.ndim in (2, 3)
             and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
 

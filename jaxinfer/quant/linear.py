@@ -35,7 +35,7 @@ per-group dots for bf16 inputs with a float32 result.
                            Because the int32 accumulation is exact, a row's
                            result does not depend on the rows beside it.
 
-CPU decode (up to cpu_matmul.MAX_ROWS rows, int8 / int4 grouped): the native kernel in
+CPU decode (up to cpu_matmul.max_rows() rows, int8 / int4 grouped): the native kernel in
 quant/cpu_matmul.py, for weights handed over as LayerOf (one layer of the
 stacked weights, read in place; models/llama.py does so on one device).
 
