@@ -34,22 +34,68 @@ def powers_of_two(low: int, high: int) -> list[int]:
 
 
 _cache_enabled = False
+# Source fingerprints whose caches are kept under the cache root (the most
+# recently used; a development tree makes a new one at every edit).
+KEPT_FINGERPRINTS = 4
+
+
+def compilation_cache_dir() -> Path | None:
+    """Where this process's compiled programs are cached, or None where that
+    is off (JAXINFER_DISABLE_COMPILATION_CACHE, set by the test suite): a
+    directory per source fingerprint under JAXINFER_CACHE_DIR (default
+    ~/.cache/jaxinfer/xla). JAX's persistent cache (<dir>/xla) and the
+    engine's executable cache (engine/executable_cache.py, <dir>/executables)
+    both live there, so a new jaxinfer version or an edited tree starts both
+    afresh together: the executable cache stores only programs XLA compiled
+    in the process (see there), so JAX's cache must not already hold them."""
+    if os.environ.get("JAXINFER_DISABLE_COMPILATION_CACHE"):
+        return None
+    root = Path(os.environ.get("JAXINFER_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer" / "xla")
+    return root / source_fingerprint()
+
+
+@functools.cache
+def source_fingerprint() -> str:
+    """A hash of the jaxinfer sources (every .py, .cc and .h of the package and
+    of pallas_kernels/) and the JAX and jaxlib versions: what any compiled
+    program may depend on besides its own shapes and options."""
+    import jax
+    import jaxlib
+
+    digest = hashlib.sha256(f"{jax.__version__} {jaxlib.__version__}".encode())
+    package = Path(__file__).parent
+    for tree in (package, package.parent / "pallas_kernels"):
+        for path in sorted(p for p in tree.rglob("*") if p.suffix in (".py", ".cc", ".h")):
+            digest.update(str(path.relative_to(tree.parent)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def enable_compilation_cache() -> None:
-    """Turn on JAX's persistent compilation cache (JAXINFER_CACHE_DIR, default
-    ~/.cache/jaxinfer/xla) so a second run skips XLA compilation."""
+    """Turn on JAX's persistent compilation cache (compilation_cache_dir()/xla)
+    so a second run skips XLA compilation, and drop the caches of all but the
+    KEPT_FINGERPRINTS most recently used source fingerprints."""
     global _cache_enabled
-    if _cache_enabled or os.environ.get("JAXINFER_DISABLE_COMPILATION_CACHE"):
+    directory = compilation_cache_dir()
+    if _cache_enabled or directory is None:
         return
     import jax
 
-    cache_dir = os.environ.get("JAXINFER_CACHE_DIR") or str(Path.home() / ".cache" / "jaxinfer" / "xla")
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    (directory / "xla").mkdir(parents=True, exist_ok=True)
+    os.utime(directory)  # most recently used
+    _prune_fingerprints(directory.parent)
+    jax.config.update("jax_compilation_cache_dir", str(directory / "xla"))
     # Cache even quick compilations: on a 2-core CPU most of ours take < 1 s each.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _cache_enabled = True
+
+
+def _prune_fingerprints(root: Path) -> None:
+    fingerprints = [p for p in root.iterdir() if p.is_dir() and len(p.name) == 16
+                    and all(c in "0123456789abcdef" for c in p.name)]
+    fingerprints.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for stale in fingerprints[KEPT_FINGERPRINTS:]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 # -march=native: a native library is built on, and cached for, the machine that runs it.
@@ -58,9 +104,11 @@ NATIVE_CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-f
 NATIVE_HEADERS = (Path(__file__).with_name("cpu_parallel.h"),)
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags: part of a native library's cache key, since it
-    is compiled for them (a cache directory may outlive the machine)."""
+@functools.cache
+def cpu_flags() -> str:
+    """The CPU's feature flags: part of the key of a native library and of a
+    stored executable, since both are compiled for them (a cache directory
+    may outlive the machine)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -75,7 +123,7 @@ def cpu_has(flag: str) -> bool:
     """Whether this CPU reports `flag` (e.g. "avx512f") in /proc/cpuinfo:
     the native kernels are compiled for the machine (-march=native), and
     some of their paths, and so where they pay, depend on it."""
-    return flag in _cpu_flags().split()
+    return flag in cpu_flags().split()
 
 
 def native_library(source: str):
@@ -99,7 +147,7 @@ def native_library(source: str):
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
         texts = [Path(source).read_text(), *(header.read_text() for header in NATIVE_HEADERS)]
-        key = hashlib.sha256("\0".join([*texts, " ".join(NATIVE_CXXFLAGS), version, _cpu_flags(),
+        key = hashlib.sha256("\0".join([*texts, " ".join(NATIVE_CXXFLAGS), version, cpu_flags(),
                                         jax.ffi.include_dir(), jax.__version__]).encode()).hexdigest()[:16]
         cache = Path(os.environ.get("JAXINFER_KERNEL_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer" / "kernels")
         path = cache / f"{name}-{key}.so"
@@ -121,6 +169,8 @@ def native_library(source: str):
 
 
 _registration_locks: dict[str, threading.Lock] = {}
+# target name -> (source, symbol) of every handler registered in this process.
+_registered: dict[str, tuple[str, str]] = {}
 _registration_locks_lock = threading.Lock()
 
 
@@ -144,4 +194,10 @@ def _register(source: str, symbol: str, target_name: str) -> bool:
     if library is None:
         return False
     jax.ffi.register_ffi_target(target_name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    _registered[target_name] = (source, symbol)
     return True
+
+
+def registered_ffi_targets() -> dict[str, tuple[str, str]]:
+    """{target name: (source, symbol)} of the native handlers registered so far."""
+    return dict(_registered)

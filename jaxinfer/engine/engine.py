@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.config import EngineConfig, check_context_parallel, choose_num_blocks, kv_block_bytes
+from jaxinfer.engine.executable_cache import ExecutableCache
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.request import RequestState
 from jaxinfer.engine.runner import ModelRunner
@@ -92,6 +93,7 @@ class LLMEngine:
             model.config, model.params, cache, config.block_size, config.max_model_len, config.max_num_seqs,
             config.max_num_batched_tokens, config.attention_backend, config.num_speculative_tokens,
             with_features=self.proposer.needs_features, mesh=model.mesh, lora=self.lora,
+            executable_cache=ExecutableCache.default(model.mesh),
         )
         self.runner.warmup(progress, background=config.background_compile and jax.process_count() == 1)
         self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.tokenizer,

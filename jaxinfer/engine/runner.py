@@ -26,6 +26,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.executable_cache import ExecutableCache
 from jaxinfer.engine.inputs import StepInputs, build_inputs
 from jaxinfer.engine.programs import forward_step, sample_step, verify_step
 from jaxinfer.engine.sampler import SamplingMetadata, make_penalty_inputs
@@ -63,12 +64,14 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params, kv_cache, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, attention_backend: str = "xla",
                  num_speculative_tokens: int = 0, sampling: bool = True, with_features: bool = False,
-                 mesh=None, lora=None):
+                 mesh=None, lora=None, executable_cache: ExecutableCache | None = None):
         """sampling=False: forward programs only (a draft model's runner, whose
         proposer takes its own argmax of the logits). with_features: steps
         return StepOutput.features (what a proposer's `needs_features` asks).
         lora: the engine's LoRASlots (lora/slots.py), or None: every forward
-        then takes each row's adapter slot and the slots' current buffers."""
+        then takes each row's adapter slot and the slots' current buffers.
+        executable_cache: where warm-up finds and stores compiled programs
+        (engine/executable_cache.py), or None."""
         self.config = config
         # The ("model",) mesh params and kv_cache are sharded over, or None (one device).
         self.mesh = mesh
@@ -92,6 +95,9 @@ class ModelRunner:
         # the buckets whose programs are all compiled; the thread compiling
         # the others, if any.
         self._executables: dict = {}
+        self.executable_cache = executable_cache
+        self._cache_keys: dict = {}  # program -> its executable cache key (warmup)
+        self.num_loaded = 0  # programs warm-up found in the executable cache
         self._ready: frozenset = frozenset()
         self._background: _BackgroundCompile | None = None
         self.warmed_up = False
@@ -130,7 +136,8 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        """Programs compiled so far: warm-up's, and any a step needed after it (an error, see _run)."""
+        """Programs compiled (or loaded from the executable cache) so far:
+        warm-up's, and any a step needed after it (an error, see _run)."""
         return len(self._executables)
 
     def bucket(self, num_tokens: int, num_seqs: int, verify: bool = False) -> tuple[int, int, str]:
@@ -164,7 +171,8 @@ class ModelRunner:
         BENCHMARKS.md's figure. (Compiling two programs at once gained
         nothing there: XLA:CPU already spreads one compilation over the cores.)
 
-        Every program is traced and lowered here, on the calling thread, and
+        Programs in the executable cache are loaded, not compiled. Every
+        other program is traced and lowered here, on the calling thread, and
         only XLA's compilation of the lowered modules runs on the other. JAX
         calls its thread support limited, and a first version that also
         lowered on the background thread failed now and then inside JAX's
@@ -175,8 +183,15 @@ class ModelRunner:
         layouts = dict.fromkeys(layout for _, _, layout in buckets)
         first = [max(b for b in buckets if b[2] == layout) for layout in layouts]
         rest = sorted((b for b in buckets if b not in first), key=lambda b: b[:2])
-        lowered = {p: self._lower(p, *self._warmup_call(p))
-                   for p in tqdm(self.programs(), desc="lowering", unit="program", disable=not progress, leave=False)}
+        calls = {p: self._warmup_call(p) for p in self.programs()}
+        if self.executable_cache is not None:
+            self._cache_keys = {p: self.executable_cache.key(p, args, statics) for p, (_, args, statics) in calls.items()}
+            loaded = self.executable_cache.load_all(self._cache_keys)
+            self._executables.update(loaded)
+            self.num_loaded = len(loaded)
+        lowered = {p: self._lower(p, *calls[p])
+                   for p in tqdm([p for p in calls if p not in self._executables], desc="lowering", unit="program",
+                                 disable=not progress, leave=False)}
         self._compile(first, lowered, progress)
         self.warmed_up = True
         if background and rest:
@@ -194,7 +209,9 @@ class ModelRunner:
         for bucket in tqdm(buckets, desc="compiling", unit="bucket", disable=not progress, leave=False):
             for program in self.bucket_programs(bucket):
                 if program not in self._executables:
-                    self._executables[program] = lowered[program].compile()
+                    self._executables[program] = (lowered[program].compile() if self.executable_cache is None else
+                                                  self.executable_cache.compile(lowered[program],
+                                                                                self._cache_keys[program]))
             self._ready = self._ready | {bucket}  # rebound, never mutated: bucket() reads it from another thread
             if stop is not None and stop.is_set():
                 return

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.executable_cache import ExecutableCache
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.spec.config import SpeculativeConfig
 from jaxinfer.engine.spec.proposer import Proposer
@@ -101,6 +102,7 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(
             draft.config, draft.params, cache, config.block_size, config.max_model_len, config.max_num_seqs,
             config.max_num_batched_tokens, config.attention_backend, sampling=False, mesh=draft.mesh,
+            executable_cache=ExecutableCache.default(draft.mesh),
         )
         self.runner.warmup(progress)
         self._argmax_sizes = sorted({s for _, s, _ in self.runner.buckets()})

@@ -1,0 +1,75 @@
+"""The executable cache (engine/executable_cache.py) across real process
+starts: a second start loads every program instead of compiling it and
+generates HF's greedy tokens with them; programs that JAX's own persistent
+cache served are never stored (their copies would not run)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import hf_greedy, make_hf_model, save_hf_model
+
+# One start of the engine on a tiny checkpoint, its caches under argv[2]:
+# prints what warm-up loaded and the greedy tokens of two prompts (batch 2,
+# so a prefill bucket and the decode buckets 1 and 2 all run).
+CHILD = """
+import json, sys
+from jaxinfer import LLM, SamplingParams
+llm = LLM(sys.argv[1], max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, background_compile=False,
+          progress=False)
+prompts = json.loads(sys.argv[2])
+outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+runner = llm.engine.runner
+print("RESULT " + json.dumps({"loaded": runner.num_loaded, "programs": len(runner.programs()),
+                              "tokens": [o.outputs[0].token_ids for o in outs]}))
+"""
+
+
+def start(model_dir: Path, cache_dir: Path, prompts: list) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "JAXINFER_DISABLE_COMPILATION_CACHE"}
+    env["JAXINFER_CACHE_DIR"] = str(cache_dir)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), json.dumps(prompts)], env=env,
+                         capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def entries(cache_dir: Path) -> list[Path]:
+    return list(cache_dir.glob("*/executables/*.pkl"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf_model = make_hf_model("llama", seed=5)
+    return hf_model, save_hf_model(hf_model, tmp_path_factory.mktemp("tiny"))
+
+
+def test_second_start_loads_every_program_and_matches_transformers(tiny, tmp_path):
+    hf_model, model_dir = tiny
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 128, 7).tolist(), rng.integers(0, 128, 3).tolist()]
+    expected = [hf_greedy(hf_model, p, 10) for p in prompts]
+    cache = tmp_path / "cache"
+
+    first = start(model_dir, cache, prompts)
+    assert first["loaded"] == 0
+    assert first["tokens"] == expected
+    assert len(entries(cache)) == first["programs"]
+
+    second = start(model_dir, cache, prompts)
+    assert second["loaded"] == second["programs"] == first["programs"]
+    assert second["tokens"] == expected
+
+    # JAX's persistent cache (beside it, filled by the first start) now
+    # serves every compilation: nothing may be stored from it.
+    for entry in entries(cache):
+        entry.unlink()
+    third = start(model_dir, cache, prompts)
+    assert third["loaded"] == 0
+    assert third["tokens"] == expected
+    assert entries(cache) == []
