@@ -67,6 +67,38 @@ def test_matches_float64(scheme, group_size, offsets, rows, out_features):
         assert_matches(np.asarray(run(x, w, layer)), expected)
 
 
+@pytest.mark.parametrize("scheme,group_size,offsets", [("int4", 32, True), ("int8", 32, False), ("int8", 16, True),
+                                                       ("int4", 576, True)])
+@pytest.mark.parametrize("rows,out_features", [(1, 512), (1, 192), (2, 384), (3, 192), (7, 128), (8, 512), (23, 192)])
+def test_tiled_matches_float64(scheme, group_size, offsets, rows, out_features):
+    """The layout of 64-column tiles (what the loader stores for the kernels):
+    at up to 8 rows tasks of 256 columns at one row (512; 192 cannot: 64),
+    128 at two (384), else 64, and 7 and 8 rows as two row tiles; past 8 rows
+    the register-tiled path."""
+    rng = np.random.default_rng(rows + group_size + out_features)
+    w, value = random_stacked_weight(rng, scheme, 3, 576, out_features, group_size, offsets)
+    tiled = w.tiled(cpu_matmul.TILE)
+    assert tiled.data.shape[-3:] == (out_features // 64, w.data.shape[-2], 64) and tiled.shape == w.shape
+    x = rng.standard_normal((rows, 576)).astype(np.float32)
+    run = jax.jit(cpu_matmul.quantized_matmul)
+    for layer in (0, 2):
+        assert_matches(np.asarray(run(x, tiled, layer)), x.astype(np.float64) @ value[layer])
+
+
+def test_tiled_layout_round_trips_and_reaches_xla_untiled():
+    """untiled() restores the stored arrays exactly; past max_rows() linear()
+    hands the XLA path the untiled layer, with the same values."""
+    rng = np.random.default_rng(4)
+    w, value = random_stacked_weight(rng, "int4", 2, 64, 192, 32, True)
+    tiled = w.tiled(cpu_matmul.TILE)
+    for a, b in zip(jax.tree.leaves(tiled.untiled()), jax.tree.leaves(w)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    x = jnp.asarray(rng.standard_normal((cpu_matmul.max_rows() + 1, 64)), jnp.float32)
+    fn = jax.jit(lambda x, w, i: linear(x, LayerOf(w, i)))
+    assert cpu_matmul.TARGET_NAME not in fn.lower(x, tiled, jnp.int32(1)).as_text()
+    assert_matches(np.asarray(fn(x, tiled, jnp.int32(1))), np.asarray(x, np.float64) @ value[1])
+
+
 def int8_blocks_float64(x, block):
     """x [rows, in] float32 -> float64: each block of `block` inputs rounded to
     int8 with scale absmax / 127 (1 for an all-zero block), half to even,

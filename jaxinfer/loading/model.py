@@ -18,6 +18,7 @@ from jaxinfer.models.attention import full_sequence_attention
 from jaxinfer.models.llama import compute_logits, forward
 from jaxinfer.parallel.mesh import tensor_parallel_size
 from jaxinfer.quant.params import quantize_params
+from jaxinfer.quant.tensor import QuantizedTensor
 from jaxinfer.utils import bucket_size, enable_compilation_cache
 
 
@@ -158,9 +159,24 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
                 params = shard_params(params, mesh)
     else:
         params = build_params(config, source, np_dtype, progress=progress, quantization=quantization, mesh=mesh)
+    if mesh is None:
+        _tile_for_cpu_kernels(params["layers"])
     jax.block_until_ready(params)
     return Model(run_config, params, tokenizer, np_dtype, description, time.perf_counter() - start, mesh,
                  quantization, config)
+
+
+def _tile_for_cpu_kernels(layers: dict) -> None:
+    """Store the stacked quantized layer weights that the native CPU kernels
+    multiply in the kernels' tiles of columns (quant/tensor.py, `tile`), in
+    place, one weight at a time (the untiled copy is freed as it goes): a
+    kernel task then reads one contiguous run of memory. Batch-1 decode of the
+    default model, BENCHMARKS.md ("Tiled weights")."""
+    from jaxinfer.quant import cpu_matmul
+
+    for name, w in layers.items():
+        if isinstance(w, QuantizedTensor) and cpu_matmul.tileable(w):
+            layers[name] = w.tiled(cpu_matmul.TILE)
 
 
 def _orbax_shardings(source: OrbaxCheckpoint, config: ModelConfig, mesh):

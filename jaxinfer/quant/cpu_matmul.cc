@@ -16,6 +16,9 @@
 //   layer    s32 []
 //   out      f32 [R, out]:  y[r, o] = sum_i x[r, i] * (q[i, o] * scale[g, o] + offset[g, o]),  g = i / group
 //
+// or, tiled (quant/tensor.py: `tile` 64, AVX-512 builds only), data [L, out / 64,
+// in(/2), 64] and scales / offsets [L, out / 64, in / group, 64].
+//
 // Computed per group as scale * (x . q) + offset * sum(x): the same real
 // numbers as the dequantized weight, rounded in another order.
 //
@@ -29,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "jaxinfer/cpu_parallel.h"
@@ -49,7 +53,25 @@ struct Problem {
   float* out;
   bool int4;
   int64_t rows, in, out_features, group, layer;
+  int64_t tile;  // 0: plain layout; else columns per tile (kTileColumns)
 };
+
+// Where the layouts differ: the distance between consecutive code rows (and
+// groups of scales) of one column, and where column col's code row 0 and
+// group g's scale lie.
+int64_t RowStride(const Problem& p) { return p.tile ? p.tile : p.out_features; }
+
+const uint8_t* CodeColumn(const Problem& p, int64_t col) {
+  const int64_t data_rows = p.int4 ? p.in / 2 : p.in;
+  const uint8_t* layer = static_cast<const uint8_t*>(p.data) + p.layer * data_rows * p.out_features;
+  return p.tile ? layer + (col / p.tile) * data_rows * p.tile + col % p.tile : layer + col;
+}
+
+int64_t ScaleIndex(const Problem& p, int64_t g, int64_t col) {
+  const int64_t groups = p.in / p.group, layer = p.layer * groups * p.out_features;
+  return p.tile ? layer + (col / p.tile) * groups * p.tile + g * p.tile + col % p.tile
+                : layer + g * p.out_features + col;
+}
 
 // Columns [begin, end) of every row. partial[r][c] accumulates x . q over
 // the current group while the group's weight rows stream by in order; the
@@ -173,18 +195,18 @@ void BytesToFloats(__m512i bytes, float* out) {
 
 // Group g's codes of the 64 columns at col as floats: w[i * 64 + c] = q[g * group + i, col + c].
 void GroupCodes(const Problem& p, int64_t g, int64_t col, float* w) {
-  const int64_t data_rows = p.int4 ? p.in / 2 : p.in;
-  const uint8_t* codes = static_cast<const uint8_t*>(p.data) + p.layer * data_rows * p.out_features + col;
+  const uint8_t* codes = CodeColumn(p, col);
+  const int64_t stride = RowStride(p);
   if (p.int4) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int64_t j = 0; j < p.group / 2; ++j) {  // byte row j: input 2j (low nibbles), 2j + 1 (high)
-      const __m512i bytes = _mm512_loadu_si512(codes + (g * p.group / 2 + j) * p.out_features);
+      const __m512i bytes = _mm512_loadu_si512(codes + (g * p.group / 2 + j) * stride);
       BytesToFloats<false>(_mm512_and_si512(bytes, nibble), w + 2 * j * kTileColumns);
       BytesToFloats<false>(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble), w + (2 * j + 1) * kTileColumns);
     }
   } else {
     for (int64_t i = 0; i < p.group; ++i) {
-      BytesToFloats<true>(_mm512_loadu_si512(codes + (g * p.group + i) * p.out_features), w + i * kTileColumns);
+      BytesToFloats<true>(_mm512_loadu_si512(codes + (g * p.group + i) * stride), w + i * kTileColumns);
     }
   }
 }
@@ -193,9 +215,9 @@ void GroupCodes(const Problem& p, int64_t g, int64_t col, float* w) {
 // the group before are multiplied: the head at 32 rows (28 MB, from memory)
 // 8.0 -> 6.4 ms; no change for a weight already in the cache.
 void PrefetchGroup(const Problem& p, int64_t g, int64_t col) {
-  const int64_t byte_rows = p.int4 ? p.group / 2 : p.group, data_rows = p.int4 ? p.in / 2 : p.in;
-  const char* first = static_cast<const char*>(p.data) + (p.layer * data_rows + g * byte_rows) * p.out_features + col;
-  for (int64_t j = 0; j < byte_rows; ++j) _mm_prefetch(first + j * p.out_features, _MM_HINT_T0);
+  const int64_t byte_rows = p.int4 ? p.group / 2 : p.group, stride = RowStride(p);
+  const char* first = reinterpret_cast<const char*>(CodeColumn(p, col)) + g * byte_rows * stride;
+  for (int64_t j = 0; j < byte_rows; ++j) _mm_prefetch(first + j * stride, _MM_HINT_T0);
 }
 
 // Rows [row0, row0 + kRows) x the 64 columns at col, group g: the dot of each
@@ -220,7 +242,7 @@ void TileGroup(const Problem& p, const float* w, int64_t g, int64_t col, int64_t
     }
   }
   const int64_t num_groups = p.in / p.group;
-  const int64_t at = (p.layer * num_groups + g) * p.out_features + col;
+  const int64_t at = ScaleIndex(p, g, col);  // the 64 columns lie in one tile
   for (int k = 0; k < 4; ++k) {
     const __m512 scale = _mm512_loadu_ps(p.scales + at + 16 * k);
     const __m512 offset = p.offsets ? _mm512_loadu_ps(p.offsets + at + 16 * k) : _mm512_setzero_ps();
@@ -249,6 +271,122 @@ std::vector<float> GroupSums(const Problem& p) {
     }
   }
   return sums;
+}
+
+// 16 bytes of v: k must be a constant (the loops over k are unrolled).
+inline __m128i Quarter(__m512i v, int k) {
+  switch (k) {
+    case 0: return _mm512_extracti32x4_epi32(v, 0);
+    case 1: return _mm512_extracti32x4_epi32(v, 1);
+    case 2: return _mm512_extracti32x4_epi32(v, 2);
+    default: return _mm512_extracti32x4_epi32(v, 3);
+  }
+}
+
+// A tiled weight at up to kRowBlock rows: rows [row0, row0 + kRows) x the
+// 16 * kVectors columns at col, group g. TileGroup's multiply-adds in the same
+// order, with each code row turned into floats in registers as it is used
+// instead of through GroupBuffer (at a few rows there are too few
+// multiply-adds per code to repay a store and a load of each). Fewer rows
+// take more columns, so that kRows * kVectors >= 12 independent
+// accumulators hide the multiply-add's latency.
+template <int kRows, int kVectors>
+void FewRowsGroup(const Problem& p, int64_t g, int64_t col, int64_t row0, const float* x_sums, float* result) {
+  constexpr int64_t kWidth = 16 * kVectors;
+  constexpr int kLines = (kVectors + 3) / 4;  // 64-byte code lines (tiles) per input
+  __m512 acc[kRows][kVectors];
+  for (int r = 0; r < kRows; ++r)
+    for (int k = 0; k < kVectors; ++k) acc[r][k] = _mm512_setzero_ps();
+  const float* x = p.x + row0 * p.in + g * p.group;
+  // One input's codes (bytes, one per column) into every row's accumulators.
+  auto multiply_add = [&](const __m512i* bytes, int64_t i, auto is_signed) {
+    __m512 xi[kRows];
+    for (int r = 0; r < kRows; ++r) xi[r] = _mm512_set1_ps(x[r * p.in + i]);
+    for (int k = 0; k < kVectors; ++k) {
+      const __m128i quarter = Quarter(bytes[k / 4], k % 4);
+      const __m512 w = _mm512_cvtepi32_ps(decltype(is_signed)::value ? _mm512_cvtepi8_epi32(quarter)
+                                                                     : _mm512_cvtepu8_epi32(quarter));
+      for (int r = 0; r < kRows; ++r) acc[r][k] = _mm512_fmadd_ps(w, xi[r], acc[r][k]);
+    }
+  };
+  const uint8_t* codes[kLines];
+  for (int l = 0; l < kLines; ++l) codes[l] = CodeColumn(p, col + 64 * l);
+  __m512i low[kLines], high[kLines];
+  if (p.int4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int64_t j = 0; j < p.group / 2; ++j) {  // byte row j: input 2j (low nibbles), 2j + 1 (high)
+      for (int l = 0; l < kLines; ++l) {
+        const __m512i bytes = _mm512_loadu_si512(codes[l] + (g * p.group / 2 + j) * p.tile);
+        low[l] = _mm512_and_si512(bytes, nibble);
+        high[l] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+      }
+      multiply_add(low, 2 * j, std::false_type{});
+      multiply_add(high, 2 * j + 1, std::false_type{});
+    }
+  } else {
+    for (int64_t i = 0; i < p.group; ++i) {
+      for (int l = 0; l < kLines; ++l) low[l] = _mm512_loadu_si512(codes[l] + (g * p.group + i) * p.tile);
+      multiply_add(low, i, std::true_type{});
+    }
+  }
+  const int64_t num_groups = p.in / p.group;
+  for (int k = 0; k < kVectors; ++k) {
+    const int64_t at = ScaleIndex(p, g, col + 16 * k);
+    const __m512 scale = _mm512_loadu_ps(p.scales + at);
+    const __m512 offset = p.offsets ? _mm512_loadu_ps(p.offsets + at) : _mm512_setzero_ps();
+    for (int r = 0; r < kRows; ++r) {
+      float* out = result + (row0 + r) * kWidth + 16 * k;
+      __m512 v = _mm512_fmadd_ps(scale, acc[r][k], _mm512_load_ps(out));
+      if (p.offsets) v = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[(row0 + r) * num_groups + g]), v);
+      _mm512_store_ps(out, v);
+    }
+  }
+}
+
+// Every row (at most kRowBlock) x the 16 * kVectors columns at col, every group.
+template <int kVectors>
+void FewRowsTask(const Problem& p, int64_t col, const float* x_sums) {
+  constexpr int64_t kWidth = 16 * kVectors;
+  alignas(64) float result[kRowBlock * kWidth];
+  std::fill_n(result, p.rows * kWidth, 0.0f);
+  for (int64_t g = 0; g < p.in / p.group; ++g) {
+    if (g + 1 < p.in / p.group)
+      for (int64_t c = 0; c < kWidth; c += kTileColumns) PrefetchGroup(p, g + 1, col + c);
+    // At most 6 rows at a time (24 accumulators); the second tile reads the
+    // group's codes from L1.
+    switch (p.rows) {
+      case 1: FewRowsGroup<1, kVectors>(p, g, col, 0, x_sums, result); break;
+      case 2: FewRowsGroup<2, kVectors>(p, g, col, 0, x_sums, result); break;
+      case 3: FewRowsGroup<3, kVectors>(p, g, col, 0, x_sums, result); break;
+      case 4: FewRowsGroup<4, kVectors>(p, g, col, 0, x_sums, result); break;
+      case 5: FewRowsGroup<5, kVectors>(p, g, col, 0, x_sums, result); break;
+      case 6: FewRowsGroup<6, kVectors>(p, g, col, 0, x_sums, result); break;
+      case 7:
+        FewRowsGroup<4, kVectors>(p, g, col, 0, x_sums, result);
+        FewRowsGroup<3, kVectors>(p, g, col, 4, x_sums, result);
+        break;
+      default:
+        FewRowsGroup<4, kVectors>(p, g, col, 0, x_sums, result);
+        FewRowsGroup<4, kVectors>(p, g, col, 4, x_sums, result);
+        break;
+    }
+  }
+  for (int64_t r = 0; r < p.rows; ++r) std::copy_n(result + r * kWidth, kWidth, p.out + r * p.out_features + col);
+}
+
+// A tiled weight at up to kRowBlock rows, in tasks as wide as the row count
+// needs (where the width divides the columns): 256 columns at 1 row, 128 at
+// 2, else 64.
+void FewRows(ffi::ThreadPool& thread_pool, const Problem& p, const float* x_sums) {
+  auto run = [&](auto vectors) {
+    constexpr int kVectors = decltype(vectors)::value;
+    jaxinfer::ParallelFor(thread_pool, p.out_features / (16 * kVectors), [&p, x_sums](int64_t task) {
+      FewRowsTask<kVectors>(p, task * 16 * kVectors, x_sums);
+    });
+  };
+  if (p.rows == 1 && p.out_features % 256 == 0) return run(std::integral_constant<int, 16>{});
+  if (p.rows <= 2 && p.out_features % 128 == 0) return run(std::integral_constant<int, 8>{});
+  run(std::integral_constant<int, 4>{});
 }
 
 // Rows [row_begin, row_end) x the 64 columns at col, every group.
@@ -283,14 +421,18 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32
                                bool has_offsets) {
   const auto x_dims = x.dimensions();
   const auto data_dims = data.dimensions();
-  if (x_dims.size() != 2 || data_dims.size() != 3) {
-    return ffi::Error::InvalidArgument("quantized matmul: x must be [rows, in], data [layers, in(/2), out]");
+  if (x_dims.size() != 2 || (data_dims.size() != 3 && data_dims.size() != 4)) {
+    return ffi::Error::InvalidArgument(
+        "quantized matmul: x must be [rows, in], data [layers, in(/2), out] or tiled [layers, out / 64, in(/2), 64]");
   }
   Problem p;
   p.int4 = data.element_type() == ffi::DataType::U8;
   if (!p.int4 && data.element_type() != ffi::DataType::S8) {
     return ffi::Error::InvalidArgument("quantized matmul: data must be int8 or uint8 (packed int4)");
   }
+  const bool tiled = data_dims.size() == 4;
+  p.tile = tiled ? data_dims[3] : 0;
+  const int64_t data_rows = tiled ? data_dims[2] : data_dims[1];
   p.x = x.typed_data();
   p.data = data.untyped_data();
   p.scales = scales.typed_data();
@@ -298,17 +440,26 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32
   p.out = out->typed_data();
   p.rows = x_dims[0];
   p.in = x_dims[1];
-  p.out_features = data_dims[2];
+  p.out_features = tiled ? data_dims[1] * data_dims[3] : data_dims[2];
   p.group = group_size;
   p.layer = layer.typed_data()[0];
   if (p.layer < 0 || p.layer >= data_dims[0]) {
     return ffi::Error::InvalidArgument("quantized matmul: layer index outside the stacked weights");
   }
-  if (p.rows < 1 || p.in != data_dims[1] * (p.int4 ? 2 : 1) || p.group <= 0 || p.in % p.group != 0 ||
+  if (p.rows < 1 || p.in != data_rows * (p.int4 ? 2 : 1) || p.group <= 0 || p.in % p.group != 0 ||
       (p.int4 && p.group % 2 != 0)) {
     return ffi::Error::InvalidArgument("quantized matmul: shapes do not match (whole groups)");
   }
 #if defined(__AVX512F__)
+  if (tiled && p.tile != kTileColumns) {
+    return ffi::Error::InvalidArgument("quantized matmul: tiles must be 64 columns wide");
+  }
+  if (tiled && p.rows <= kRowBlock) {
+    std::vector<float> x_sums;
+    if (p.offsets) x_sums = GroupSums(p);
+    FewRows(thread_pool, p, x_sums.data());
+    return ffi::Error::Success();
+  }
   if (p.rows > kRowBlock && p.out_features % kTileColumns == 0) {
     std::vector<float> x_sums;
     if (p.offsets) x_sums = GroupSums(p);
@@ -321,6 +472,8 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32
                           });
     return ffi::Error::Success();
   }
+#else
+  if (tiled) return ffi::Error::InvalidArgument("quantized matmul: tiled weights need an AVX-512 build");
 #endif
   jaxinfer::ParallelFor(thread_pool, (p.out_features + kChunk - 1) / kChunk,
                         [&p](int64_t chunk) { MatmulChunk(p, chunk); });

@@ -44,6 +44,10 @@ MAX_ROWS_WITHOUT_AVX512 = 8
 Q8_SOURCE = Path(__file__).with_name("cpu_q8_matmul.cc")
 Q8_TARGET_NAME = "jaxinfer_q8_matmul"
 Q8_COLUMNS = 64  # the int8-activation kernel's output columns per tile
+# Columns per tile of a tiled weight (quant/tensor.py), the width the exact
+# kernel's AVX-512 paths take (tileable()). The int8-activation kernel reads
+# the plain layout: tiles made it slower (BENCHMARKS.md, "Tiled weights").
+TILE = 64
 
 
 def available() -> bool:
@@ -60,7 +64,7 @@ def supports(rows: int, w: QuantizedTensor) -> bool:
     """Whether the kernel serves x [rows, in] @ w (w with at most one leading
     layer axis) on this backend."""
     return (jax.default_backend() == "cpu" and 1 <= rows <= max_rows() and w.scheme in ("int8", "int4")
-            and w.scales.dtype == jnp.float32 and w.data.ndim in (2, 3)
+            and w.scales.dtype == jnp.float32 and _layout_ok(w) and (not w.tile or cpu_has("avx512f"))
             and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
 
 
@@ -74,8 +78,23 @@ def supports_q8(rows: int, w: QuantizedTensor) -> bool:
     with activation_block set, on this backend."""
     return (jax.default_backend() == "cpu" and rows >= 1 and w.scheme in ("int8", "int4")
             and w.activation_block in (16, 32) and w.group_size % w.activation_block == 0
-            and w.out_features % Q8_COLUMNS == 0 and w.data.ndim in (2, 3)
+            and w.out_features % Q8_COLUMNS == 0 and w.data.ndim in (2, 3) and not w.tile
             and w.scales.dtype in (jnp.float32, jnp.float16) and q8_available())
+
+
+def tileable(w: QuantizedTensor) -> bool:
+    """Whether w (stacked layer weights) should be stored in tiles of TILE
+    columns: a weight the exact kernel multiplies, on a CPU where it takes
+    tiles. The loader tiles such weights once (loading/model.py); a tiled
+    weight reaches every other path untiled (LayerOf.layer)."""
+    return (jax.default_backend() == "cpu" and cpu_has("avx512f") and not w.tile and w.scheme in ("int8", "int4")
+            and not w.activation_block and w.scales.dtype == jnp.float32 and w.data.ndim == 3
+            and w.out_features % TILE == 0 and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
+
+
+def _layout_ok(w: QuantizedTensor) -> bool:
+    """One weight [in, out] or a stack of layers, plain or in tiles of TILE."""
+    return w.data.ndim - (1 if w.tile else 0) in (2, 3) and w.tile in (0, TILE)
 
 
 def quantized_matmul(x, w: QuantizedTensor, layer_index=0) -> jax.Array:
@@ -96,7 +115,7 @@ def q8_matmul(x, w: QuantizedTensor, layer_index=0) -> jax.Array:
 
 def _call(target: str, x, w: QuantizedTensor, layer_index, **attributes) -> jax.Array:
     data, scales, offsets = w.data, w.scales, w.offsets
-    if data.ndim == 2:  # a leading axis of 1 is a free reshape, not a copy
+    if data.ndim == (3 if w.tile else 2):  # a leading axis of 1 is a free reshape, not a copy
         data, scales = data[None], scales[None]
         offsets = None if offsets is None else offsets[None]
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32))

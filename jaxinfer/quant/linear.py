@@ -95,6 +95,7 @@ def linear(x: jax.Array, w) -> jax.Array:
         w = w.layer()
     if not isinstance(w, QuantizedTensor):
         return x @ w
+    w = w.untiled()
     if x.shape[-1] != w.in_features:
         raise ValueError(f"linear: x has {x.shape[-1]} features but the weight expects {w.in_features}")
     if w.scheme == "w8a8":
