@@ -161,22 +161,26 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
         params = build_params(config, source, np_dtype, progress=progress, quantization=quantization, mesh=mesh)
     if mesh is None:
         _tile_for_cpu_kernels(params["layers"])
+        _tile_for_cpu_kernels(params, names=("few_row_head",))
     jax.block_until_ready(params)
     return Model(run_config, params, tokenizer, np_dtype, description, time.perf_counter() - start, mesh,
                  quantization, config)
 
 
-def _tile_for_cpu_kernels(layers: dict) -> None:
-    """Store the stacked quantized layer weights that the native CPU kernels
-    multiply in the kernels' tiles of columns (quant/tensor.py, `tile`), in
-    place, one weight at a time (the untiled copy is freed as it goes): a
-    kernel task then reads one contiguous run of memory. Batch-1 decode of the
-    default model, BENCHMARKS.md ("Tiled weights")."""
+def _tile_for_cpu_kernels(params: dict, names=None) -> None:
+    """Store the quantized weights of `params` (those under `names`, default
+    all) that the exact CPU kernel multiplies in its tiles of columns
+    (quant/tensor.py, `tile`), in place, one weight at a time (the untiled
+    copy is freed as it goes): a kernel task then reads one contiguous run of
+    memory. The stacked layers and the tied head's few-row copy; the lm_head
+    stays plain, since the embedding lookup reads its columns. Batch-1 decode
+    of the default model, BENCHMARKS.md ("Tiled weights")."""
     from jaxinfer.quant import cpu_matmul
 
-    for name, w in layers.items():
+    for name in params if names is None else names:
+        w = params.get(name)
         if isinstance(w, QuantizedTensor) and cpu_matmul.tileable(w):
-            layers[name] = w.tiled(cpu_matmul.TILE)
+            params[name] = w.tiled(cpu_matmul.TILE)
 
 
 def _orbax_shardings(source: OrbaxCheckpoint, config: ModelConfig, mesh):

@@ -83,12 +83,13 @@ def supports_q8(rows: int, w: QuantizedTensor) -> bool:
 
 
 def tileable(w: QuantizedTensor) -> bool:
-    """Whether w (stacked layer weights) should be stored in tiles of TILE
-    columns: a weight the exact kernel multiplies, on a CPU where it takes
-    tiles. The loader tiles such weights once (loading/model.py); a tiled
-    weight reaches every other path untiled (LayerOf.layer)."""
+    """Whether w (stacked layer weights, or one matrix) should be stored in
+    tiles of TILE columns: a weight the exact kernel multiplies, on a CPU
+    where it takes tiles. The loader tiles such weights once
+    (loading/model.py); a tiled weight reaches every other path untiled
+    (LayerOf.layer, linear)."""
     return (jax.default_backend() == "cpu" and cpu_has("avx512f") and not w.tile and w.scheme in ("int8", "int4")
-            and not w.activation_block and w.scales.dtype == jnp.float32 and w.data.ndim == 3
+            and not w.activation_block and w.scales.dtype == jnp.float32 and w.data.ndim in (2, 3)
             and w.out_features % TILE == 0 and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
 
 
