@@ -183,11 +183,12 @@ def _in_place(head: QuantizedTensor) -> LayerOf:
 
 
 # Rows up to which a tied GGUF head's Q8_0 copy (few_row_head) beats the
-# float table: fewer bytes read, where the rows are few; past that the
-# float table's dot is as fast or faster (the default model's head on the
-# 2-core dev VM: 12 / 16 rows 5.0-5.2 / 5.7 ms against 5.5-5.6 / 5.8-6.1,
-# 32 rows 8.9 against 8.1 ms).
-FEW_ROW_HEAD_MAX_ROWS = 8
+# float table: fewer bytes read. With the copy in the exact kernel's tiles
+# (loading/model.py), 32 rows rather than 8 took the default model's decode
+# step at batch 16 / 32 from 27.7 / 46.7 to 26.4 / 45.1 ms on the 2-core dev
+# VM (BENCHMARKS.md, "Tiled weights"); the head alone at 48 and 64 rows was
+# faster from the float table.
+FEW_ROW_HEAD_MAX_ROWS = 32
 
 
 def compute_logits(params: dict, hidden, native_weights: bool = True):
