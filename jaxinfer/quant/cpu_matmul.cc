@@ -134,21 +134,26 @@ void MatmulColumns(const Problem& p, int64_t begin, int64_t end) {
   for (int64_t r = 0; r < kRows; ++r) std::copy_n(result[r], width, p.out + r * p.out_features + begin);
 }
 
-// Rows [row0, row0 + min(kRowBlock, rows - row0)) of one chunk of columns.
+// Rows [row0, row0 + min(kRowBlock, rows - row0)) of one chunk of columns,
+// as row blocks of 8, 4, 2 and 1: only those are compiled, since each
+// instance adds to the build a machine's first run waits for (the chunk's
+// codes come from the cache for the second block on).
 void MatmulRowBlock(const Problem& p, int64_t row0, int64_t begin, int64_t end) {
-  Problem block = p;
-  block.x = p.x + row0 * p.in;
-  block.out = p.out + row0 * p.out_features;
-  block.rows = std::min(kRowBlock, p.rows - row0);
-  switch (block.rows) {
-    case 1: return MatmulColumns<1>(block, begin, end);
-    case 2: return MatmulColumns<2>(block, begin, end);
-    case 3: return MatmulColumns<3>(block, begin, end);
-    case 4: return MatmulColumns<4>(block, begin, end);
-    case 5: return MatmulColumns<5>(block, begin, end);
-    case 6: return MatmulColumns<6>(block, begin, end);
-    case 7: return MatmulColumns<7>(block, begin, end);
-    default: return MatmulColumns<8>(block, begin, end);
+  const int64_t rows = std::min(kRowBlock, p.rows - row0);
+  for (int64_t done = 0; done < rows;) {
+    Problem block = p;
+    block.x = p.x + (row0 + done) * p.in;
+    block.out = p.out + (row0 + done) * p.out_features;
+    const int64_t left = rows - done;
+    if (left >= 8) {
+      MatmulColumns<8>(block, begin, end), done += 8;
+    } else if (left >= 4) {
+      MatmulColumns<4>(block, begin, end), done += 4;
+    } else if (left >= 2) {
+      MatmulColumns<2>(block, begin, end), done += 2;
+    } else {
+      MatmulColumns<1>(block, begin, end), done += 1;
+    }
   }
 }
 
@@ -288,8 +293,9 @@ inline __m128i Quarter(__m512i v, int k) {
 // order, with each code row turned into floats in registers as it is used
 // instead of through GroupBuffer (at a few rows there are too few
 // multiply-adds per code to repay a store and a load of each). Fewer rows
-// take more columns, so that kRows * kVectors >= 12 independent
-// accumulators hide the multiply-add's latency.
+// take more columns, so that kRows * kVectors = 16 independent accumulators
+// hide the multiply-add's latency (FewRows; a leftover tile of 2 or 1 rows
+// has fewer).
 template <int kRows, int kVectors>
 void FewRowsGroup(const Problem& p, int64_t g, int64_t col, int64_t row0, const float* x_sums, float* result) {
   constexpr int64_t kWidth = 16 * kVectors;
@@ -352,23 +358,29 @@ void FewRowsTask(const Problem& p, int64_t col, const float* x_sums) {
   for (int64_t g = 0; g < p.in / p.group; ++g) {
     if (g + 1 < p.in / p.group)
       for (int64_t c = 0; c < kWidth; c += kTileColumns) PrefetchGroup(p, g + 1, col + c);
-    // At most 6 rows at a time (24 accumulators); the second tile reads the
-    // group's codes from L1.
-    switch (p.rows) {
-      case 1: FewRowsGroup<1, kVectors>(p, g, col, 0, x_sums, result); break;
-      case 2: FewRowsGroup<2, kVectors>(p, g, col, 0, x_sums, result); break;
-      case 3: FewRowsGroup<3, kVectors>(p, g, col, 0, x_sums, result); break;
-      case 4: FewRowsGroup<4, kVectors>(p, g, col, 0, x_sums, result); break;
-      case 5: FewRowsGroup<5, kVectors>(p, g, col, 0, x_sums, result); break;
-      case 6: FewRowsGroup<6, kVectors>(p, g, col, 0, x_sums, result); break;
-      case 7:
-        FewRowsGroup<4, kVectors>(p, g, col, 0, x_sums, result);
-        FewRowsGroup<3, kVectors>(p, g, col, 4, x_sums, result);
-        break;
-      default:
-        FewRowsGroup<4, kVectors>(p, g, col, 0, x_sums, result);
-        FewRowsGroup<4, kVectors>(p, g, col, 4, x_sums, result);
-        break;
+    // Only the row counts FewRows gives each width are compiled (each
+    // instance costs build time on a machine's first run); a second row
+    // tile reads the group's codes from L1.
+    if constexpr (kVectors == 16) {
+      FewRowsGroup<1, kVectors>(p, g, col, 0, x_sums, result);
+    } else if constexpr (kVectors == 8) {
+      if (p.rows == 1) {
+        FewRowsGroup<1, kVectors>(p, g, col, 0, x_sums, result);
+      } else {
+        FewRowsGroup<2, kVectors>(p, g, col, 0, x_sums, result);
+      }
+    } else {
+      // Row tiles of 4, 2 and 1.
+      for (int64_t row = 0; row < p.rows;) {
+        const int64_t left = p.rows - row;
+        if (left >= 4) {
+          FewRowsGroup<4, kVectors>(p, g, col, row, x_sums, result), row += 4;
+        } else if (left >= 2) {
+          FewRowsGroup<2, kVectors>(p, g, col, row, x_sums, result), row += 2;
+        } else {
+          FewRowsGroup<1, kVectors>(p, g, col, row, x_sums, result), row += 1;
+        }
+      }
     }
   }
   for (int64_t r = 0; r < p.rows; ++r) std::copy_n(result + r * kWidth, kWidth, p.out + r * p.out_features + col);

@@ -55,6 +55,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SCHEMES = ("int8", "int4", "fp8", "w8a8")
 
@@ -84,13 +85,19 @@ class QuantizedTensor:
         return (*self.data.shape[:-3 if self.tile else -2], self.in_features, self.out_features)
 
     def tiled(self, tile: int) -> QuantizedTensor:
-        """The same weight stored in tiles of `tile` columns (see the module docstring)."""
+        """The same weight stored in tiles of `tile` columns (see the module
+        docstring). A storage step on concrete arrays, done in numpy: as jnp
+        it compiled one XLA program per weight shape into a machine's first
+        start."""
         if self.tile or self.scheme not in ("int8", "int4") or self.out_features % tile:
             raise ValueError(f"cannot tile a {self.scheme} tensor of {self.out_features} columns "
                              f"(tile {self.tile}) by {tile}")
 
         def to_tiles(a):  # [..., rows, out] -> [..., out // tile, rows, tile]
-            return None if a is None else jnp.swapaxes(a.reshape(*a.shape[:-1], -1, tile), -3, -2)
+            if a is None:
+                return None
+            a = np.asarray(a)
+            return jnp.asarray(np.ascontiguousarray(np.swapaxes(a.reshape(*a.shape[:-1], -1, tile), -3, -2)))
         return dataclasses.replace(self, data=to_tiles(self.data), scales=to_tiles(self.scales),
                                    offsets=to_tiles(self.offsets), tile=tile)
 
