@@ -84,6 +84,8 @@ class ExecutableCache:
                    for x in leaves),
                  device.platform, device.device_kind, cpu_flags(),
                  *(f"{var}={os.environ.get(var, '')}" for var in ("XLA_FLAGS", "JAXINFER_CPU_KERNELS")),
+                 # JAX options that change what a trace lowers to.
+                 *(f"{name}={getattr(jax.config, name)}" for name in ("jax_enable_x64", "jax_default_matmul_precision")),
                  # Without a compiler the kernels' jnp paths were compiled: a
                  # compiler installed later must not find those.
                  str(shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++"))]

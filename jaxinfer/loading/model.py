@@ -128,7 +128,10 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
     numbers, see BENCHMARKS.md for its perplexity).
 
     mesh: None (one device), or a ("model",) mesh (parallel/mesh.py): every
-    weight is loaded or restored straight into its shards (parallel/sharding.py)."""
+    weight is loaded or restored straight into its shards (parallel/sharding.py).
+    On one CPU device the weights the exact CPU kernel multiplies are stored
+    in its tiles of columns (_tile_for_cpu_kernels; `untiled()` gives the
+    plain layout)."""
     if quantization not in (None, "auto", *QUANTIZATIONS):
         raise ValueError(f"quantization must be None, 'auto' or one of {QUANTIZATIONS}, got {quantization!r}")
     enable_compilation_cache()
