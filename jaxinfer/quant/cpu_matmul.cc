@@ -225,9 +225,28 @@ void PrefetchGroup(const Problem& p, int64_t g, int64_t col) {
   for (int64_t j = 0; j < byte_rows; ++j) _mm_prefetch(first + j * stride, _MM_HINT_T0);
 }
 
+// Group g's dots acc (rows [row0, row0 + kRows) x the 16 * kVectors columns
+// at col) into result (16 * kVectors floats a row): result += scale * dot +
+// offset * sum(x) of the group, as MatmulColumns does.
+template <int kRows, int kVectors>
+void FoldGroup(const Problem& p, const __m512 (&acc)[kRows][kVectors], int64_t g, int64_t col, int64_t row0,
+               const float* x_sums, float* result) {
+  const int64_t num_groups = p.in / p.group;
+  for (int k = 0; k < kVectors; ++k) {
+    const int64_t at = ScaleIndex(p, g, col + 16 * k);
+    const __m512 scale = _mm512_loadu_ps(p.scales + at);
+    const __m512 offset = p.offsets ? _mm512_loadu_ps(p.offsets + at) : _mm512_setzero_ps();
+    for (int r = 0; r < kRows; ++r) {
+      float* out = result + (row0 + r) * 16 * kVectors + 16 * k;
+      __m512 v = _mm512_fmadd_ps(scale, acc[r][k], _mm512_load_ps(out));
+      if (p.offsets) v = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[(row0 + r) * num_groups + g]), v);
+      _mm512_store_ps(out, v);
+    }
+  }
+}
+
 // Rows [row0, row0 + kRows) x the 64 columns at col, group g: the dot of each
-// row's group inputs with the codes w (GroupCodes), then result += scale *
-// dot + offset * sum(x) of the group, as MatmulColumns does.
+// row's group inputs with the codes w (GroupCodes), folded into result.
 template <int kRows>
 void TileGroup(const Problem& p, const float* w, int64_t g, int64_t col, int64_t row0, const float* x_sums,
                float* result) {
@@ -246,18 +265,7 @@ void TileGroup(const Problem& p, const float* w, int64_t g, int64_t col, int64_t
       acc[r][3] = _mm512_fmadd_ps(w3, xi, acc[r][3]);
     }
   }
-  const int64_t num_groups = p.in / p.group;
-  const int64_t at = ScaleIndex(p, g, col);  // the 64 columns lie in one tile
-  for (int k = 0; k < 4; ++k) {
-    const __m512 scale = _mm512_loadu_ps(p.scales + at + 16 * k);
-    const __m512 offset = p.offsets ? _mm512_loadu_ps(p.offsets + at + 16 * k) : _mm512_setzero_ps();
-    for (int r = 0; r < kRows; ++r) {
-      float* out = result + (row0 + r) * kTileColumns + 16 * k;
-      __m512 v = _mm512_fmadd_ps(scale, acc[r][k], _mm512_load_ps(out));
-      if (p.offsets) v = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[(row0 + r) * num_groups + g]), v);
-      _mm512_store_ps(out, v);
-    }
-  }
+  FoldGroup<kRows, 4>(p, acc, g, col, row0, x_sums, result);
 }
 
 // Each row's sum of x over each group, [rows, groups]: what the offsets multiply.
@@ -298,7 +306,6 @@ inline __m128i Quarter(__m512i v, int k) {
 // has fewer).
 template <int kRows, int kVectors>
 void FewRowsGroup(const Problem& p, int64_t g, int64_t col, int64_t row0, const float* x_sums, float* result) {
-  constexpr int64_t kWidth = 16 * kVectors;
   constexpr int kLines = (kVectors + 3) / 4;  // 64-byte code lines (tiles) per input
   __m512 acc[kRows][kVectors];
   for (int r = 0; r < kRows; ++r)
@@ -317,12 +324,13 @@ void FewRowsGroup(const Problem& p, int64_t g, int64_t col, int64_t row0, const 
   };
   const uint8_t* codes[kLines];
   for (int l = 0; l < kLines; ++l) codes[l] = CodeColumn(p, col + 64 * l);
+  const int64_t stride = RowStride(p);
   __m512i low[kLines], high[kLines];
   if (p.int4) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int64_t j = 0; j < p.group / 2; ++j) {  // byte row j: input 2j (low nibbles), 2j + 1 (high)
       for (int l = 0; l < kLines; ++l) {
-        const __m512i bytes = _mm512_loadu_si512(codes[l] + (g * p.group / 2 + j) * p.tile);
+        const __m512i bytes = _mm512_loadu_si512(codes[l] + (g * p.group / 2 + j) * stride);
         low[l] = _mm512_and_si512(bytes, nibble);
         high[l] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
       }
@@ -331,22 +339,11 @@ void FewRowsGroup(const Problem& p, int64_t g, int64_t col, int64_t row0, const 
     }
   } else {
     for (int64_t i = 0; i < p.group; ++i) {
-      for (int l = 0; l < kLines; ++l) low[l] = _mm512_loadu_si512(codes[l] + (g * p.group + i) * p.tile);
+      for (int l = 0; l < kLines; ++l) low[l] = _mm512_loadu_si512(codes[l] + (g * p.group + i) * stride);
       multiply_add(low, i, std::true_type{});
     }
   }
-  const int64_t num_groups = p.in / p.group;
-  for (int k = 0; k < kVectors; ++k) {
-    const int64_t at = ScaleIndex(p, g, col + 16 * k);
-    const __m512 scale = _mm512_loadu_ps(p.scales + at);
-    const __m512 offset = p.offsets ? _mm512_loadu_ps(p.offsets + at) : _mm512_setzero_ps();
-    for (int r = 0; r < kRows; ++r) {
-      float* out = result + (row0 + r) * kWidth + 16 * k;
-      __m512 v = _mm512_fmadd_ps(scale, acc[r][k], _mm512_load_ps(out));
-      if (p.offsets) v = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[(row0 + r) * num_groups + g]), v);
-      _mm512_store_ps(out, v);
-    }
-  }
+  FoldGroup<kRows, kVectors>(p, acc, g, col, row0, x_sums, result);
 }
 
 // Every row (at most kRowBlock) x the 16 * kVectors columns at col, every group.
@@ -466,15 +463,14 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32
   if (tiled && p.tile != kTileColumns) {
     return ffi::Error::InvalidArgument("quantized matmul: tiles must be 64 columns wide");
   }
-  if (tiled && p.rows <= kRowBlock) {
+  // The register paths: a tiled weight at any row count, a plain one past kRowBlock rows.
+  if (tiled || (p.rows > kRowBlock && p.out_features % kTileColumns == 0)) {
     std::vector<float> x_sums;
     if (p.offsets) x_sums = GroupSums(p);
-    FewRows(thread_pool, p, x_sums.data());
-    return ffi::Error::Success();
-  }
-  if (p.rows > kRowBlock && p.out_features % kTileColumns == 0) {
-    std::vector<float> x_sums;
-    if (p.offsets) x_sums = GroupSums(p);
+    if (p.rows <= kRowBlock) {
+      FewRows(thread_pool, p, x_sums.data());
+      return ffi::Error::Success();
+    }
     const int64_t row_tasks = (p.rows + kTaskRows - 1) / kTaskRows;
     jaxinfer::ParallelFor(thread_pool, row_tasks * (p.out_features / kTileColumns),
                           [&p, &x_sums, row_tasks](int64_t task) {
