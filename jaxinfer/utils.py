@@ -126,6 +126,13 @@ def cpu_has(flag: str) -> bool:
     return flag in cpu_flags().split()
 
 
+@functools.cache
+def cxx_compiler() -> str | None:
+    """The C++ compiler native kernels are built with ($CXX, else g++ or c++ on
+    the PATH), or None."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 def native_library(source: str):
     """A C++ XLA FFI kernel (`source`, a .cc file in the package) built with
     the machine's compiler and loaded (ctypes.CDLL). Built once per source,
@@ -139,7 +146,7 @@ def native_library(source: str):
 
     if os.environ.get("JAXINFER_CPU_KERNELS", "1") == "0":
         return None
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = cxx_compiler()
     name = Path(source).stem
     if compiler is None:
         logger.warning("no C++ compiler found: %s runs in jnp (slower); install g++", name)

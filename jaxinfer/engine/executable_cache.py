@@ -32,7 +32,6 @@ import hashlib
 import logging
 import os
 import pickle
-import shutil
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +40,8 @@ from pathlib import Path
 import jax
 from jax.experimental import serialize_executable
 
-from jaxinfer.utils import compilation_cache_dir, cpu_flags, native_ffi_target, registered_ffi_targets
+from jaxinfer.utils import (compilation_cache_dir, cpu_flags, cxx_compiler, native_ffi_target,
+                            registered_ffi_targets)
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,25 @@ def _on_event(event: str, **kwargs) -> None:
 jax.monitoring.register_event_listener(_on_event)
 
 
+# Native kernel sources are recorded relative to the package (a moved tree keeps its entries).
+PACKAGE = Path(__file__).parent.parent
+
+
 class ExecutableCache:
     def __init__(self, directory: Path):
         self.directory = Path(directory)
+        device = jax.devices()[0]
+        # What every key shares: the device, the CPU's flags and the
+        # environment that steers lowering, the same for the whole process.
+        self._environment = [
+            device.platform, device.device_kind, cpu_flags(),
+            *(f"{var}={os.environ.get(var, '')}" for var in ("XLA_FLAGS", "JAXINFER_CPU_KERNELS")),
+            # JAX options that change what a trace lowers to.
+            *(f"{name}={getattr(jax.config, name)}" for name in ("jax_enable_x64", "jax_default_matmul_precision")),
+            # Without a compiler the kernels' jnp paths were compiled: a
+            # compiler installed later must not find those.
+            str(cxx_compiler()),
+        ]
 
     @classmethod
     def default(cls, mesh=None) -> ExecutableCache | None:
@@ -78,17 +94,10 @@ class ExecutableCache:
         """The key of program `name` called with `args` (arrays or their
         shapes) and keyword `statics`."""
         leaves, tree = jax.tree.flatten(args)
-        device = jax.devices()[0]
         parts = [repr(name), str(tree), repr(sorted(statics.items())),
                  *(repr(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)))
                    for x in leaves),
-                 device.platform, device.device_kind, cpu_flags(),
-                 *(f"{var}={os.environ.get(var, '')}" for var in ("XLA_FLAGS", "JAXINFER_CPU_KERNELS")),
-                 # JAX options that change what a trace lowers to.
-                 *(f"{name}={getattr(jax.config, name)}" for name in ("jax_enable_x64", "jax_default_matmul_precision")),
-                 # Without a compiler the kernels' jnp paths were compiled: a
-                 # compiler installed later must not find those.
-                 str(shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++"))]
+                 *self._environment]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
     def load_all(self, keys: dict) -> dict:
@@ -108,8 +117,7 @@ class ExecutableCache:
         except Exception as error:  # written by another version, or cut short
             log.warning("ignoring executable cache entry %s: %s", path, error)
             return None
-        package = Path(__file__).parent.parent
-        if not all(native_ffi_target(str(package / source), symbol, target)
+        if not all(native_ffi_target(str(PACKAGE / source), symbol, target)
                    for target, (source, symbol) in targets.items()):
             return None
         try:
@@ -130,8 +138,7 @@ class ExecutableCache:
         except Exception as error:  # e.g. a program that closes over constants
             log.warning("not storing %s in the executable cache: %s", key, error)
             return executable
-        package = Path(__file__).parent.parent
-        targets = {target: (str(Path(source).relative_to(package)), symbol)
+        targets = {target: (str(Path(source).relative_to(PACKAGE)), symbol)
                    for target, (source, symbol) in registered_ffi_targets().items()}
         self.directory.mkdir(parents=True, exist_ok=True)
         # Written to a temporary name and renamed: a process loading at the

@@ -88,9 +88,8 @@ def tileable(w: QuantizedTensor) -> bool:
     where it takes tiles. The loader tiles such weights once
     (loading/model.py); a tiled weight reaches every other path untiled
     (LayerOf.layer, linear)."""
-    return (jax.default_backend() == "cpu" and cpu_has("avx512f") and not w.tile and w.scheme in ("int8", "int4")
-            and not w.activation_block and w.scales.dtype == jnp.float32 and w.data.ndim in (2, 3)
-            and w.out_features % TILE == 0 and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
+    return (cpu_has("avx512f") and not w.tile and not w.activation_block and w.out_features % TILE == 0
+            and supports(1, w))
 
 
 def _layout_ok(w: QuantizedTensor) -> bool:
