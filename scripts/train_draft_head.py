@@ -119,35 +119,40 @@ def is_held_out(index: int) -> bool:
     return index % 20 == 0
 
 
-def generate_data(model_path, prompts, path: Path, max_tokens: int, seed: int, chunk: int = 64) -> None:
-    """Append the target's completion of every prompt to `path` (JSON lines
-    {"i", "prompt", "completion"}), `chunk` prompts per LLM.generate call.
-    Resumable: prompts already in the file are skipped. Half the prompts are
-    answered greedily (the acceptance that matters most), half sampled at
-    temperature 0.7 with a per-prompt seed, so a prompt's completion does not
-    depend on which run or chunk generated it."""
+def generate_data(model_path, prompts, path: Path, max_tokens: int, seed: int, rounds: int = 1,
+                  chunk: int = 64) -> None:
+    """Append the target's completions to `path` (JSON lines {"i", "prompt",
+    "completion"}), `chunk` per LLM.generate call: `rounds` answers to every
+    prompt, sequence i = round * len(prompts) + prompt index. Round 0 answers
+    half the prompts greedily (the acceptance that matters most) and half
+    sampled at temperature 0.7; later rounds sample every prompt again at 0.7
+    with another seed, which is more text of the same kind where a greedy
+    answer would only repeat. Each sequence has its own seed, so its text does
+    not depend on which run or chunk generated it; resumable: sequences
+    already in the file are skipped."""
     from jaxinfer import LLM, SamplingParams
 
     done = {json.loads(line)["i"] for line in path.read_text().splitlines()} if path.exists() else set()
-    todo = [i for i in range(len(prompts)) if i not in done]
+    todo = [i for i in range(len(prompts) * rounds) if i not in done]
     if not todo:
         return
     llm = LLM(model_path, max_num_seqs=chunk, max_num_batched_tokens=512, progress=False)
 
     def params(i):
-        if i % 2 == 0:
+        if i < len(prompts) and i % 2 == 0:
             return SamplingParams(temperature=0.0, max_tokens=max_tokens)
         return SamplingParams(temperature=0.7, top_p=0.95, max_tokens=max_tokens, seed=seed + i)
 
     start = time.perf_counter()
     for c in range(0, len(todo), chunk):
         idx = todo[c: c + chunk]
-        outputs = llm.generate([prompts[i] for i in idx], [params(i) for i in idx], use_tqdm=False)
+        outputs = llm.generate([prompts[i % len(prompts)] for i in idx], [params(i) for i in idx], use_tqdm=False)
         with path.open("a") as f:
             for i, o in zip(idx, outputs):
-                f.write(json.dumps({"i": i, "prompt": prompts[i], "completion": list(o.outputs[0].token_ids)}) + "\n")
+                f.write(json.dumps({"i": i, "prompt": prompts[i % len(prompts)],
+                                    "completion": list(o.outputs[0].token_ids)}) + "\n")
         n = len(done) + c + len(idx)
-        print(f"generated {n}/{len(prompts)} sequences [{time.perf_counter() - start:.0f}s]", flush=True)
+        print(f"generated {n}/{len(prompts) * rounds} sequences [{time.perf_counter() - start:.0f}s]", flush=True)
 
 
 def read_data(path: Path) -> list[tuple[int, list[int], list[int]]]:
@@ -185,6 +190,8 @@ def make_windows(model, data, window: int):
         q = np.arange(1, length)  # entry q: token x_q, input f_{q-1}, target f_q, label argmax(logits_q)
         for start in range(0, len(q) - 1, window):
             sel = q[start: start + window]
+            if sel[-1] < len(prompt) - 1:  # all prompt: nothing to learn there (see the mask below)
+                continue
             pad = window - len(sel)
             padw = lambda a: np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])  # noqa: E731
             out["tokens"].append(padw(ids[sel]))
@@ -194,6 +201,27 @@ def make_windows(model, data, window: int):
             out["mask"].append(padw((sel >= len(prompt) - 1).astype(np.float32)))
             out["positions"].append(padw(sel.astype(np.int32)))
     return {k: np.stack(v) for k, v in out.items()}
+
+
+def cached_windows(model, train, held_out, window: int, data_path: Path):
+    """make_windows of the training and held-out sequences, kept beside the
+    data (DATA.windowsW.npz) so that a training run done in pieces computes
+    the target's features once (a forward per sequence: minutes for a few
+    thousand). The cache names the sequences it holds and is rebuilt when the
+    data differs."""
+    path = data_path.with_name(f"{data_path.stem}.windows{window}.npz")
+    key = json.dumps([[row[0] for row in train], [row[0] for row in held_out], str(model.source)])
+    if path.exists():
+        cached = np.load(path)
+        if str(cached["key"]) == key:
+            split = lambda prefix: {k[len(prefix):]: cached[k] for k in cached.files if k.startswith(prefix)}  # noqa: E731
+            return split("train."), split("eval.")
+    train_w, eval_w = make_windows(model, train, window), make_windows(model, held_out, window)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, key=key, **{f"train.{k}": v for k, v in train_w.items()},
+             **{f"eval.{k}": v for k, v in eval_w.items()})
+    tmp.replace(path)
+    return train_w, eval_w
 
 
 def choose_draft_vocab(labels, mask, vocab_size: int, size: int):
@@ -304,7 +332,9 @@ def main():
     parser.add_argument("--out", default="checkpoints/eagle-smollm2-135m-instruct.safetensors")
     parser.add_argument("--data", default="eagle_data.jsonl", help="JSON lines of generated text: extended "
                         "(resumably) until it holds --num-sequences, then trained on")
-    parser.add_argument("--num-sequences", type=int, default=768, help="the first N prompts of the seeded order (0: all 987)")
+    parser.add_argument("--num-sequences", type=int, default=0, help="the first N prompts of the seeded order (0: all 987)")
+    parser.add_argument("--rounds", type=int, default=3, help="answers per prompt (round 0 half greedy, later "
+                        "rounds sampled with other seeds)")
     parser.add_argument("--generate-only", action="store_true", help="stop after generating the data")
     parser.add_argument("--state", default=None, help="training state (.npz): resumed from when present, "
                         "saved every --save-every steps (default: OUT with .state.npz)")
@@ -317,7 +347,7 @@ def main():
     parser.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the target's)")
     parser.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training (K)")
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32, help="windows per optimizer step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -334,15 +364,15 @@ def main():
     model = load(args.model, progress=False)
     prompts = build_prompts(model.tokenizer, args.seed)[: args.num_sequences or None]
     data_path = Path(args.data)
-    generate_data(args.model, prompts, data_path, args.max_tokens, args.seed)
+    generate_data(args.model, prompts, data_path, args.max_tokens, args.seed, args.rounds)
     if args.generate_only:
         return
-    data = [row for row in read_data(data_path) if row[0] < len(prompts)]
-    held_out = [row for row in data if is_held_out(row[0])]
-    train = [row for row in data if not is_held_out(row[0])]
+    data = [row for row in read_data(data_path) if row[0] < len(prompts) * args.rounds]
+    # Held out by prompt, so no answer to a held-out prompt is trained on in any round.
+    held_out = [row for row in data if is_held_out(row[0] % len(prompts))]
+    train = [row for row in data if not is_held_out(row[0] % len(prompts))]
     gen_s = time.perf_counter() - start
-    train_w = make_windows(model, train, args.window)
-    eval_w = make_windows(model, held_out, args.window)
+    train_w, eval_w = cached_windows(model, train, held_out, args.window, data_path)
     config, target = model.config, model.params
     if args.draft_vocab:
         d2t, t2d, coverage = choose_draft_vocab(train_w["labels"], train_w["mask"], config.vocab_size,
@@ -370,7 +400,7 @@ def main():
     opt_state = optimizer.init(trainable)
     fingerprint = json.dumps({k: v for k, v in sorted(vars(args).items())
                               if k in ("window", "draft_vocab", "ttt_steps", "epochs", "batch_size", "lr", "seed",
-                                       "num_sequences", "max_tokens")} | {"windows": num})
+                                       "num_sequences", "max_tokens", "rounds")} | {"windows": num})
     state_path = Path(args.state or Path(args.out).with_suffix(".state.npz"))
     step = 0
     if state_path.exists():
