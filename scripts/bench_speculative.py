@@ -14,6 +14,9 @@ draft is the target itself unless --draft-model says otherwise: with a
 greedy draft equal to the target every draft is accepted, so it measures the
 machinery's overhead at the best possible acceptance) and "draft_model:Q"
 (the draft quantized with Q, e.g. int4: cheaper, slightly less accurate).
+Each drafts at every step it may; "M+adaptive" (e.g. eagle+adaptive) is
+method M with the engine's default adaptive rule, drafting only while that
+measures faster than plain decoding (jaxinfer/engine/spec/policy.py).
 All engines live in one process with the same KV pool size, so they share
 compiled programs; each configuration is run --repeats times, engines
 interleaved so that they see the same machine noise, and the fastest run
@@ -196,8 +199,11 @@ def main():
                {"disable_by_batch_size": None if args.disable_by_batch_size == "none" else int(args.disable_by_batch_size)})
 
     def spec_for(method):
+        # "M+adaptive": the engine's default, drafting only while it measures faster; plain M drafts at
+        # every step it may, which is what acceptance is measured on.
+        method, adaptive = method.removesuffix("+adaptive"), method.endswith("+adaptive")
         spec = spec_for_method(method)
-        return spec if spec is None else {**spec, **disable}
+        return spec if spec is None else {**spec, **disable, "adaptive": adaptive}
 
     def spec_for_method(method):
         if method == "plain":

@@ -23,7 +23,8 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def eagle_llm():
     return LLM(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, progress=False,
-               speculative={"method": "eagle", "num_speculative_tokens": 3, "disable_by_batch_size": None})
+               speculative={"method": "eagle", "num_speculative_tokens": 3, "disable_by_batch_size": None,
+                            "adaptive": False})
 
 
 def test_shipped_head_is_exact_and_accepted(eagle_llm):
@@ -65,3 +66,31 @@ def test_not_a_head_is_refused(tmp_path, eagle_llm):
         load_head(junk, default.config, np.float32)
     with pytest.raises(ValueError, match="does not exist"):
         load_head(tmp_path / "missing.safetensors", default.config, np.float32)
+
+
+def test_int8_drafting_head_drafts_as_the_float_head(eagle_llm):
+    """Drafting multiplies the head as int8 through the native CPU kernel
+    (for_cpu_kernels): its drafts must be the float head's almost everywhere
+    (rounding may flip a near tie), from the target's own features."""
+    import jax.numpy as jnp
+
+    from jaxinfer.engine.spec.eagle import draft_tokens
+    from jaxinfer.engine.spec.eagle_head import for_cpu_kernels
+    from jaxinfer.models.attention import full_sequence_attention
+    from jaxinfer.models.llama import forward
+
+    model, proposer = eagle_llm.model, eagle_llm.engine.proposer
+    float_head, window = load_head(DEFAULT_HEAD, model.config, model.dtype)
+    assert for_cpu_kernels(float_head).keys() == proposer.head.keys()
+    ids = np.asarray(eagle_llm.tokenizer.encode(" ".join(PROMPTS) * 6), np.int32)
+    positions = jnp.arange(len(ids), dtype=jnp.int32)[None]
+    features = np.asarray(forward(model.params, model.config, jnp.asarray(ids)[None], positions,
+                                  full_sequence_attention(positions), final_norm=False)[0][0])
+    # A window ending at every position from `window` on: entries q (token x_q, feature f_{q-1}).
+    ends = np.arange(window, len(ids))
+    tokens = np.stack([ids[e - window + 1: e + 1] for e in ends])
+    feats = np.stack([features[e - window: e] for e in ends])
+    args = (tokens, feats, (ends - window + 1).astype(np.int32), np.full(len(ends), window, np.int32))
+    reference = np.asarray(draft_tokens(float_head, model.params, *args, config=model.config, num_drafts=2))
+    drafts = np.asarray(draft_tokens(proposer.head, model.params, *args, config=model.config, num_drafts=2))
+    assert (drafts[:, 0] == reference[:, 0]).mean() >= 0.9

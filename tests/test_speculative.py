@@ -18,9 +18,9 @@ from tests.tiny_models import make_hf_model, save_hf_model
 # Every LLM here shares these shapes, so programs compile once per process.
 ENGINE = dict(max_model_len=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=24)
 K = 3
-# Drafting at every batch size (disable_by_batch_size=None): these tests are about the machinery in
-# batches, preemption included, not about when drafting pays.
-ALWAYS = dict(num_speculative_tokens=K, disable_by_batch_size=None)
+# Drafting at every batch size and step (disable_by_batch_size=None, adaptive=False): these tests are
+# about the machinery in batches, preemption included, not about when drafting pays.
+ALWAYS = dict(num_speculative_tokens=K, disable_by_batch_size=None, adaptive=False)
 PROPOSERS = {
     "ngram": dict(method="ngram", max_n=3, **ALWAYS),
     "draft_is_target": dict(method="draft_model", **ALWAYS),
@@ -321,7 +321,7 @@ def test_drafting_off_above_batch_size(plain, tiny_dir):
     sequences decode; once the batch has shrunk to two, drafting resumes;
     every output is still plain decoding's."""
     llm = LLM(tiny_dir, progress=False, speculative=dict(method="ngram", num_speculative_tokens=K, max_n=3,
-                                                         disable_by_batch_size=2), **ENGINE)
+                                                         disable_by_batch_size=2, adaptive=False), **ENGINE)
     sizes = []
     propose = llm.engine.proposer.propose
 
@@ -337,6 +337,23 @@ def test_drafting_off_above_batch_size(plain, tiny_dir):
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
     assert sizes and max(sizes) <= 2
     assert llm.stats()["spec_accepted_tokens"] > 0
+
+
+def test_adaptive_drafting_is_exact_and_turns_off(plain, tiny_dir, eagle_head):
+    """adaptive=True with a random EAGLE head, whose drafts almost never
+    hit: after the steps that time drafting and plain decoding, the rule
+    stops drafting (a verification then costs more than the one token it
+    yields) but for its periodic tries, and the output is plain decoding's."""
+    from jaxinfer.engine.spec.policy import MIN_SAMPLES, PROBE_EVERY, PROBE_STEPS
+
+    spec = dict(PROPOSERS["eagle"], model=eagle_head["eagle"], adaptive=True)
+    llm = LLM(tiny_dir, progress=False, speculative=spec, **ENGINE)
+    prompt, params = [3, 1, 4, 1, 5], greedy(80)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    # Without the rule every one of the ~80 steps would verify drafts.
+    verifications = llm.stats()["spec_verifications"]
+    assert 0 < verifications <= 2 * MIN_SAMPLES + 2 + PROBE_STEPS * (1 + 80 // PROBE_EVERY)
 
 
 def test_throughput_benchmark_reports_acceptance(tiny_dir, draft_dir):

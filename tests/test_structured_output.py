@@ -293,7 +293,8 @@ def test_speculative_engine_masks_the_constrained_rows():
     while the constrained one, in the same steps, decodes one masked token per
     step through the verify step's plain sampler."""
     spec = LLM(progress=False, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
-               speculative={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None})
+               speculative={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None,
+                            "adaptive": False})
     repeat = "one two three four one two three four one two three four one two"
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     alone = spec.generate(repeat, greedy, use_tqdm=False)[0].outputs[0].token_ids

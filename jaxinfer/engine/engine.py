@@ -297,7 +297,7 @@ class LLMEngine:
         tables = [self.block_manager.block_table(s.seq_id) for s in batch.sequences]
         out = self.runner.run(batch, tables)
         outputs = self.output_processor.process(batch, out, self.requests)
-        self.proposer.after_step(batch, out)
+        self.proposer.after_step(batch, out, start)
         device = self.runner.device_time + self.proposer.device_time - device_before
         self.device_time += device
         self.host_time += time.perf_counter() - start - device

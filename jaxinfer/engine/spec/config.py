@@ -19,7 +19,10 @@ when more sequences than this decode (the target's verification of K + 1
 rows per sequence costs more than the accepted drafts save once the batch
 already fills the machine); None drafts at every batch size. Left out, each
 method gets the crossover measured for it (DISABLE_BY_BATCH_SIZE,
-BENCHMARKS.md).
+BENCHMARKS.md). And "adaptive" (default True): below that batch size, a
+step drafts only while drafting measures faster than plain decoding on this
+machine, model and text (engine/spec/policy.py); False drafts at every step
+it may (what tests of the machinery and acceptance measurements want).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "eagle")
 _KEYS = {
-    "ngram": {"method", "num_speculative_tokens", "max_n", "min_n", "disable_by_batch_size"},
-    "draft_model": {"method", "num_speculative_tokens", "model", "quantization", "disable_by_batch_size"},
-    "eagle": {"method", "num_speculative_tokens", "model", "disable_by_batch_size"},
+    "ngram": {"method", "num_speculative_tokens", "max_n", "min_n", "disable_by_batch_size", "adaptive"},
+    "draft_model": {"method", "num_speculative_tokens", "model", "quantization", "disable_by_batch_size", "adaptive"},
+    "eagle": {"method", "num_speculative_tokens", "model", "disable_by_batch_size", "adaptive"},
 }
 # The largest batch at which each method came out ahead (or, for those that
 # never did, closest) on the 2-core CPU VM (scripts/bench_speculative.py,
@@ -49,6 +52,7 @@ class SpeculativeConfig:
     model: str | None = None
     quantization: str | None = None
     disable_by_batch_size: int | None = None
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -72,6 +76,8 @@ class SpeculativeConfig:
         config = cls(**value)
         if config.disable_by_batch_size is not None:
             _positive_int("disable_by_batch_size", config.disable_by_batch_size)
+        if not isinstance(config.adaptive, bool):
+            raise ValueError(f"speculative['adaptive'] must be True or False, got {config.adaptive!r}")
         _positive_int("num_speculative_tokens", config.num_speculative_tokens)
         _positive_int("max_n", config.max_n)
         _positive_int("min_n", config.min_n)

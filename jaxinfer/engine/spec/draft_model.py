@@ -92,7 +92,8 @@ class _Proposal:
 
 class DraftModelProposer(Proposer):
     def __init__(self, draft: Model, config, spec: SpeculativeConfig, num_blocks: int, progress: bool = True):
-        super().__init__(spec.num_speculative_tokens, config.max_model_len, spec.disable_by_batch_size)
+        super().__init__(spec.num_speculative_tokens, config.max_model_len, spec.disable_by_batch_size,
+                         spec.adaptive)
         self.model = draft
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens

@@ -31,7 +31,8 @@ from tqdm.auto import tqdm
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
-from jaxinfer.engine.spec.eagle_head import DEFAULT_HEAD, draft_logits, head_features, load_head, to_target_ids
+from jaxinfer.engine.spec.eagle_head import (DEFAULT_HEAD, draft_logits, for_cpu_kernels, head_features, load_head,
+                                             to_target_ids)
 from jaxinfer.engine.spec.proposer import Proposer
 from jaxinfer.utils import bucket_size, powers_of_two
 
@@ -91,10 +92,13 @@ class EagleProposer(Proposer):
     needs_features = True
 
     def __init__(self, target, engine_config, spec, progress: bool = True):
-        super().__init__(spec.num_speculative_tokens, engine_config.max_model_len, spec.disable_by_batch_size)
+        super().__init__(spec.num_speculative_tokens, engine_config.max_model_len, spec.disable_by_batch_size,
+                         spec.adaptive)
         self.target = target
         self.config = target.config
         self.head, self.window = load_head(spec.model or DEFAULT_HEAD, target.config, target.dtype)
+        if target.mesh is None:  # the native kernel runs single-device programs only
+            self.head = for_cpu_kernels(self.head)
         self.device_time = 0.0
         self.buckets = powers_of_two(1, engine_config.max_num_seqs)  # the runner's decode buckets
         self._features: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (end position, [<= window, hidden])

@@ -48,6 +48,10 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
 from jaxinfer.models.layers import rms_norm, rope_inv_freq
 from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens
+from jaxinfer.quant import cpu_matmul
+from jaxinfer.quant.linear import linear
+from jaxinfer.quant.params import quantize_weight
+from jaxinfer.quant.tensor import LayerOf
 
 # The head trained for the embedded default model (scripts/train_draft_head.py).
 DEFAULT_HEAD = Path(__file__).resolve().parents[3] / "checkpoints" / "eagle-smollm2-135m-instruct.safetensors"
@@ -95,9 +99,15 @@ def head_features(head: dict, target_params: dict, config: ModelConfig, tokens, 
     f_{p-1}, positions [B, T] = p) with the given attention (models/attention
     interface); returns (predicted features f^_p [B, T, hidden], kv_cache)."""
     x = embed_tokens(target_params, tokens)
-    x = jnp.concatenate([x, features.astype(x.dtype)], axis=-1) @ head["fc"].astype(x.dtype)
-    layer = jax.tree.map(lambda w: w.astype(x.dtype), head["layer"])
+    x = linear(jnp.concatenate([x, features.astype(x.dtype)], axis=-1), _in_dtype(head["fc"], x.dtype))
+    layer = {k: _in_dtype(w, x.dtype) for k, w in head["layer"].items()}
     return decoder_layer(layer, config, x, positions, rope_inv_freq(config), attention, kv_cache, 0)
+
+
+def _in_dtype(w, dtype):
+    """A float weight cast to the activations' dtype; a quantized one
+    (for_cpu_kernels) as it is, for linear() to multiply."""
+    return w if isinstance(w, LayerOf) else w.astype(dtype)
 
 
 def feature_logits(target_params: dict, config: ModelConfig, features):
@@ -112,7 +122,7 @@ def draft_logits(head: dict, target_params: dict, config: ModelConfig, features)
     if "lm_head" not in head:
         return feature_logits(target_params, config, features)
     normed = rms_norm(features, target_params["final_norm"], config.rms_norm_eps)
-    return (normed @ head["lm_head"].astype(normed.dtype)).astype(jnp.float32)
+    return linear(normed, _in_dtype(head["lm_head"], normed.dtype)).astype(jnp.float32)
 
 
 def to_target_ids(head: dict, draft_ids):
@@ -190,3 +200,32 @@ def load_head(path, config: ModelConfig, dtype) -> tuple[dict, int]:
     if "d2t" in tensors:
         head["d2t"] = jax.device_put(np.asarray(tensors["d2t"], np.int32))
     return head, int(meta["window"])
+
+
+def for_cpu_kernels(head: dict) -> dict:
+    """The head as drafting multiplies it on a CPU with the native kernel
+    (quant/cpu_matmul.py): each matrix int8 in groups of 64 rows, in the
+    kernel's tiles, as the one layer of a stack (LayerOf) so the kernel reads
+    it in place. A draft step then reads 9.5 MB instead of 36 MB of float32
+    (BENCHMARKS.md, issue 17). Drafts only propose, verification is by the
+    target, so the rounding can cost acceptance, never exactness. Elsewhere
+    (GPU, no AVX-512) the head is returned as it is."""
+    def quantized(w):
+        q = quantize_weight(jnp.asarray(w, jnp.float32)[None], "int8", group_size=64)
+        if not cpu_matmul.tileable(q):
+            return None
+        return LayerOf(q.tiled(cpu_matmul.TILE), jnp.int32(0))
+
+    matrices = {"fc": head["fc"], **{f"layer.{k}": w for k, w in head["layer"].items() if w.ndim == 2}}
+    if "lm_head" in head:
+        matrices["lm_head"] = head["lm_head"]
+    converted = {name: quantized(w) for name, w in matrices.items()}
+    if any(q is None for q in converted.values()):
+        return head
+    out = {**head, "layer": dict(head["layer"])}
+    for name, q in converted.items():
+        if name.startswith("layer."):
+            out["layer"][name[6:]] = q
+        else:
+            out[name] = q
+    return out

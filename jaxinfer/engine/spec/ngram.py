@@ -36,7 +36,8 @@ class NgramProposer(Proposer):
     """Prompt lookup for the engine: stateless, no device work, no programs."""
 
     def __init__(self, engine_config, spec):
-        super().__init__(spec.num_speculative_tokens, engine_config.max_model_len, spec.disable_by_batch_size)
+        super().__init__(spec.num_speculative_tokens, engine_config.max_model_len, spec.disable_by_batch_size,
+                         spec.adaptive)
         self.max_n, self.min_n = spec.max_n, spec.min_n
 
     def propose(self, seqs, caps: list[int]) -> list[list[int]]:

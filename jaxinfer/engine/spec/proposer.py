@@ -15,8 +15,10 @@ structured outputs (drafts are not checked against the grammar), so those
 requests decode one token per step, in the same batch as the speculating ones.
 When more sequences decode than `disable_by_batch_size`, nobody is offered
 drafts for that step (a batch that large is faster without verification
-rows); the step itself runs as always, and proposers catch up on the tokens
-they skipped the next time they draft.
+rows); below it, with "adaptive" on (the default), nobody is offered drafts
+while the measured cost of drafting steps says they are slower than plain
+ones (engine/spec/policy.py). The step itself runs as always, and proposers
+catch up on the tokens they skipped the next time they draft.
 
 A proposer implements:
 
@@ -30,9 +32,12 @@ A proposer implements:
 
 from __future__ import annotations
 
+import time
+
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.spec.config import SpeculativeConfig
+from jaxinfer.engine.spec.policy import DraftPolicy
 
 
 class Proposer:
@@ -41,10 +46,12 @@ class Proposer:
     # Whether update() reads StepOutput.features (the target's runner then returns them).
     needs_features = False
 
-    def __init__(self, num_speculative_tokens: int, max_model_len: int, disable_by_batch_size: int | None = None):
+    def __init__(self, num_speculative_tokens: int, max_model_len: int, disable_by_batch_size: int | None = None,
+                 adaptive: bool = False):
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.disable_by_batch_size = disable_by_batch_size
+        self.policy = DraftPolicy() if adaptive else None
 
     def max_drafts(self, seq: Sequence) -> int:
         """How many drafts this sequence may verify next step: 0 when it must
@@ -56,17 +63,22 @@ class Proposer:
         remaining = params.max_tokens - len(seq.output_token_ids)
         return max(0, min(self.k, remaining - 1, self.max_model_len - seq.num_tokens - 1))
 
-    def after_step(self, batch: ScheduledBatch, out) -> None:
+    def after_step(self, batch: ScheduledBatch, out, started: float | None = None) -> None:
+        """started: when the step began (time.perf_counter()), for the adaptive rule's timings."""
         self.update(batch, out)
         # Finished sequences are gone; one that still owes prompt tokens does not decode next.
         decoding = [s for s in batch.sequences if not s.is_finished and s.num_computed_tokens == s.num_tokens - 1]
-        if self.disable_by_batch_size is not None and len(decoding) > self.disable_by_batch_size:
-            return
-        caps = [self.max_drafts(s) for s in decoding]
-        seqs = [s for s, cap in zip(decoding, caps) if cap]
-        if seqs:
-            for seq, drafts in zip(seqs, self.propose(seqs, [cap for cap in caps if cap])):
-                seq.draft_token_ids = drafts
+        drafted = False
+        if (decoding and (self.disable_by_batch_size is None or len(decoding) <= self.disable_by_batch_size)
+                and (self.policy is None or self.policy.should_draft(len(decoding)))):
+            caps = [self.max_drafts(s) for s in decoding]
+            seqs = [s for s, cap in zip(decoding, caps) if cap]
+            if seqs:
+                for seq, drafts in zip(seqs, self.propose(seqs, [cap for cap in caps if cap])):
+                    seq.draft_token_ids = drafts
+                    drafted = drafted or bool(drafts)
+        if self.policy is not None and started is not None:
+            self.policy.record(batch, out, drafted, time.perf_counter() - started)
 
     def propose(self, seqs: list[Sequence], caps: list[int]) -> list[list[int]]:
         raise NotImplementedError
@@ -87,7 +99,7 @@ class NoProposer(Proposer):
     def __init__(self):
         super().__init__(0, 0)
 
-    def after_step(self, batch, out) -> None:
+    def after_step(self, batch, out, started=None) -> None:
         pass
 
 

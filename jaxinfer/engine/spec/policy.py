@@ -1,0 +1,101 @@
+"""When drafting pays: the adaptive on/off rule of speculative decoding.
+
+A step that verifies drafts costs more than a plain step (1 + K rows per
+sequence through the target, and the proposer's drafting); it pays only when
+the drafts accepted make up for it. Both sides depend on the machine, the
+model, the head and the text, so they are measured as the engine runs, per
+decode batch size (power-of-two buckets, as the runner compiles them):
+
+  on(n)    seconds of a step of n decoding sequences that verifies drafts and
+           drafts again (the proposer's time included)
+  off(n)   seconds of a step of n decoding sequences without drafts
+  emitted  tokens a sequence emits per verification (1 + accepted drafts)
+
+and a step drafts when emitted * off(n) > on(n): more tokens per second with
+drafts than without. Only steady steps are timed (a step that verified and
+drafted, or did neither, with no prompt tokens in it): the first and last
+step of a drafting stretch carry half of each kind of work.
+
+While drafting does not pay, it is tried again for a few steps every
+PROBE_EVERY steps (bounded overhead: with the steps it costs, under a few
+per cent), so that a change of text (a code request after chat, where
+n-gram drafts start to hit) turns it back on. Until a bucket has been timed
+both ways, it drafts first (to learn on(n) and emitted), then decodes
+plainly (to learn off(n)).
+
+Outputs never depend on this rule: verification keeps greedy and seeded
+sampled outputs token-for-token whether a step drafts or not.
+"""
+
+from __future__ import annotations
+
+from jaxinfer.utils import bucket_size
+
+# Steps of a bucket without drafts between two tries, and the drafting steps of a try.
+PROBE_EVERY = 64
+PROBE_STEPS = 4
+# Samples of a quantity before it is trusted, and the weight of a new sample
+# in its running mean (exponential: a step's cost drifts with the machine).
+MIN_SAMPLES = 4
+SMOOTHING = 0.1
+
+
+class _RunningMean:
+    def __init__(self):
+        self.value, self.count = 0.0, 0
+
+    def add(self, sample: float) -> None:
+        self.count += 1
+        # The plain mean for the first samples, then exponential.
+        self.value += (sample - self.value) * max(SMOOTHING, 1.0 / self.count)
+
+    @property
+    def known(self) -> bool:
+        return self.count >= MIN_SAMPLES
+
+
+class DraftPolicy:
+    def __init__(self):
+        self.step_seconds: dict[tuple[int, bool], _RunningMean] = {}  # (bucket, drafting) -> seconds
+        self.emitted = _RunningMean()  # per sequence and verification
+        self._since_probe: dict[int, int] = {}
+        self._probe_left: dict[int, int] = {}
+
+    def should_draft(self, num_decoding: int) -> bool:
+        """Whether the next step, with num_decoding sequences decoding, drafts."""
+        bucket = bucket_size(num_decoding, 1)
+        on, off = self._seconds(bucket, True), self._seconds(bucket, False)
+        if not (on.known and self.emitted.known):
+            return True
+        if not off.known:
+            return False
+        if self.emitted.value * off.value > on.value:
+            return True
+        if self._probe_left.get(bucket, 0):
+            self._probe_left[bucket] -= 1
+            return True
+        self._since_probe[bucket] = self._since_probe.get(bucket, 0) + 1
+        if self._since_probe[bucket] >= PROBE_EVERY:
+            self._since_probe[bucket] = 0
+            self._probe_left[bucket] = PROBE_STEPS - 1
+            return True
+        return False
+
+    def record(self, batch, out, drafted: bool, seconds: float) -> None:
+        """A finished step: `batch` as scheduled, its StepOutput `out`, whether
+        drafts were proposed after it, and its wall time."""
+        for i, num_drafts in enumerate(batch.num_drafts):
+            if num_drafts:
+                self.emitted.add(float(out.num_emitted[i]))
+        decode_only = all(n == 1 + d for n, d in zip(batch.num_new_tokens, batch.num_drafts))
+        if decode_only and batch.verifies_drafts == drafted:
+            self._seconds(bucket_size(len(batch), 1), drafted).add(seconds)
+
+    def _seconds(self, bucket: int, drafting: bool) -> _RunningMean:
+        return self.step_seconds.setdefault((bucket, drafting), _RunningMean())
+
+    def summary(self) -> dict:
+        """What the rule has measured, for LLMEngine.stats()."""
+        return {"emitted_per_verification": self.emitted.value,
+                "step_seconds": {f"{b}{'+drafts' if d else ''}": m.value
+                                 for (b, d), m in sorted(self.step_seconds.items())}}
