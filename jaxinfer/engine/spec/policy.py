@@ -16,12 +16,14 @@ drafts than without. Only steady steps are timed (a step that verified and
 drafted, or did neither, with no prompt tokens in it): the first and last
 step of a drafting stretch carry half of each kind of work.
 
-While drafting does not pay, it is tried again for a few steps every
-PROBE_EVERY steps (bounded overhead: with the steps it costs, under a few
-per cent), so that a change of text (a code request after chat, where
-n-gram drafts start to hit) turns it back on. Until a bucket has been timed
-both ways, it drafts first (to learn on(n) and emitted), then decodes
-plainly (to learn off(n)).
+While drafting does not pay, it is tried again for PROBE_STEPS steps, so
+that a change of text (a code request after chat, where n-gram drafts start
+to hit) turns it back on; the tries are spaced so that what they lose (on(n)
+- emitted * off(n) a step) stays under PROBE_OVERHEAD of the time: the worse
+drafting measures, the rarer the tries (at batch 32 on the 2-core CPU a
+drafting step cost ~5 plain ones). Until a bucket has been timed both ways,
+it drafts first (to learn on(n) and emitted), then decodes plainly (to
+learn off(n)).
 
 Outputs never depend on this rule: verification keeps greedy and seeded
 sampled outputs token-for-token whether a step drafts or not.
@@ -29,14 +31,16 @@ sampled outputs token-for-token whether a step drafts or not.
 
 from __future__ import annotations
 
+import math
+
 from jaxinfer.utils import bucket_size
 
-# Steps of a bucket without drafts between two tries, and the drafting steps of a try.
-PROBE_EVERY = 64
+# The drafting steps of a try, and the share of the time tries may lose.
 PROBE_STEPS = 4
+PROBE_OVERHEAD = 0.03
 # Samples of a quantity before it is trusted, and the weight of a new sample
 # in its running mean (exponential: a step's cost drifts with the machine).
-MIN_SAMPLES = 4
+MIN_SAMPLES = 3
 SMOOTHING = 0.1
 
 
@@ -75,11 +79,18 @@ class DraftPolicy:
             self._probe_left[bucket] -= 1
             return True
         self._since_probe[bucket] = self._since_probe.get(bucket, 0) + 1
-        if self._since_probe[bucket] >= PROBE_EVERY:
+        if self._since_probe[bucket] >= self.probe_interval(on.value, off.value):
             self._since_probe[bucket] = 0
             self._probe_left[bucket] = PROBE_STEPS - 1
             return True
         return False
+
+    def probe_interval(self, on: float, off: float) -> int:
+        """Plain steps between two tries of PROBE_STEPS drafting steps, so
+        that the tries lose at most PROBE_OVERHEAD of the time (a try's step
+        loses on - emitted * off, in plain steps on / off - emitted)."""
+        loss = PROBE_STEPS * (on / off - self.emitted.value)
+        return max(PROBE_STEPS, math.ceil(loss / PROBE_OVERHEAD))
 
     def record(self, batch, out, drafted: bool, seconds: float) -> None:
         """A finished step: `batch` as scheduled, its StepOutput `out`, whether
