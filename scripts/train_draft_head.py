@@ -347,7 +347,7 @@ def main():
     parser.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the target's)")
     parser.add_argument("--ttt-steps", type=int, default=4, help="draft steps unrolled in training (K)")
     parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="windows per optimizer step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
