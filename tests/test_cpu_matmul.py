@@ -69,12 +69,13 @@ def test_matches_float64(scheme, group_size, offsets, rows, out_features):
 
 @pytest.mark.parametrize("scheme,group_size,offsets", [("int4", 32, True), ("int8", 32, False), ("int8", 16, True),
                                                        ("int4", 576, True)])
-@pytest.mark.parametrize("rows,out_features", [(1, 512), (1, 192), (2, 384), (3, 192), (7, 128), (8, 512), (23, 192)])
+@pytest.mark.parametrize("rows,out_features", [(1, 512), (1, 192), (2, 384), (3, 192), (5, 192), (6, 128), (7, 128),
+                                                (8, 512), (23, 192)])
 def test_tiled_matches_float64(scheme, group_size, offsets, rows, out_features):
     """The layout of 64-column tiles (what the loader stores for the kernels):
     at up to 8 rows tasks of 256 columns at one row (512; 192 cannot: 64),
-    128 at two (384), else 64, and 7 and 8 rows as two row tiles; past 8 rows
-    the register-tiled path."""
+    128 at two (384), else 64 in row tiles of 5, 4 or 3 (6, 7 and 8 rows as
+    two tiles); past 8 rows the register-tiled path."""
     rng = np.random.default_rng(rows + group_size + out_features)
     w, value = random_stacked_weight(rng, scheme, 3, 576, out_features, group_size, offsets)
     tiled = w.tiled(cpu_matmul.TILE)
@@ -83,6 +84,20 @@ def test_tiled_matches_float64(scheme, group_size, offsets, rows, out_features):
     run = jax.jit(cpu_matmul.quantized_matmul)
     for layer in (0, 2):
         assert_matches(np.asarray(run(x, tiled, layer)), x.astype(np.float64) @ value[layer])
+
+
+def test_tiled_row_does_not_depend_on_the_rows_beside_it():
+    """Every row count up to 8 (each its own tiling of rows and columns) gives
+    each row bit for bit its one-row result: what lets a verification of 1 + K
+    rows score a sequence's tokens exactly as plain decoding, one at a time, does."""
+    rng = np.random.default_rng(7)
+    w, _ = random_stacked_weight(rng, "int4", 2, 576, 512, 32, True)
+    tiled = w.tiled(cpu_matmul.TILE)
+    x = rng.standard_normal((8, 576)).astype(np.float32)
+    run = jax.jit(cpu_matmul.quantized_matmul)
+    alone = np.stack([np.asarray(run(x[r:r + 1], tiled, 1))[0] for r in range(8)])
+    for rows in range(2, 9):
+        np.testing.assert_array_equal(np.asarray(run(x[:rows], tiled, 1)), alone[:rows])
 
 
 def test_tiled_layout_round_trips_and_reaches_xla_untiled():

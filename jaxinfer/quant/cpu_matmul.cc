@@ -367,12 +367,19 @@ void FewRowsTask(const Problem& p, int64_t col, const float* x_sums) {
         FewRowsGroup<2, kVectors>(p, g, col, 0, x_sums, result);
       }
     } else {
-      // Row tiles of 4, 2 and 1.
+      // Row tiles of 5, 4, 3, 2 and 1, as few as the rows allow (6 = 3 + 3,
+      // 7 = 4 + 3, 8 = 4 + 4): each tile turns the codes into floats again,
+      // so 3 rows as 2 + 1 cost more than 4 rows, and 5 (a verification of
+      // 4 drafts) as 4 + 1 a sixth more than as 5 (BENCHMARKS.md, stop 27).
       for (int64_t row = 0; row < p.rows;) {
         const int64_t left = p.rows - row;
-        if (left >= 4) {
+        if (left == 5) {
+          FewRowsGroup<5, kVectors>(p, g, col, row, x_sums, result), row += 5;
+        } else if (left >= 4 && left != 6) {
           FewRowsGroup<4, kVectors>(p, g, col, row, x_sums, result), row += 4;
-        } else if (left >= 2) {
+        } else if (left >= 3) {
+          FewRowsGroup<3, kVectors>(p, g, col, row, x_sums, result), row += 3;
+        } else if (left == 2) {
           FewRowsGroup<2, kVectors>(p, g, col, row, x_sums, result), row += 2;
         } else {
           FewRowsGroup<1, kVectors>(p, g, col, row, x_sums, result), row += 1;
