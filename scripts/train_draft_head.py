@@ -331,7 +331,7 @@ def main():
     parser.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--out", default="checkpoints/eagle-smollm2-135m-instruct.safetensors")
     parser.add_argument("--data", default="eagle_data.jsonl", help="JSON lines of generated text: extended "
-                        "(resumably) until it holds --num-sequences, then trained on")
+                        "(resumably) until it holds --rounds answers to each of --num-sequences prompts, then trained on")
     parser.add_argument("--num-sequences", type=int, default=0, help="the first N prompts of the seeded order (0: all 987)")
     parser.add_argument("--rounds", type=int, default=3, help="answers per prompt (round 0 half greedy, later "
                         "rounds sampled with other seeds)")

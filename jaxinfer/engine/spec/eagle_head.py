@@ -211,21 +211,12 @@ def for_cpu_kernels(head: dict) -> dict:
     target, so the rounding can cost acceptance, never exactness. Elsewhere
     (GPU, no AVX-512) the head is returned as it is."""
     def quantized(w):
-        q = quantize_weight(jnp.asarray(w, jnp.float32)[None], "int8", group_size=64)
-        if not cpu_matmul.tileable(q):
-            return None
-        return LayerOf(q.tiled(cpu_matmul.TILE), jnp.int32(0))
+        return quantize_weight(jnp.asarray(w, jnp.float32)[None], "int8", group_size=64)
 
-    matrices = {"fc": head["fc"], **{f"layer.{k}": w for k, w in head["layer"].items() if w.ndim == 2}}
-    if "lm_head" in head:
-        matrices["lm_head"] = head["lm_head"]
-    converted = {name: quantized(w) for name, w in matrices.items()}
-    if any(q is None for q in converted.values()):
+    top = {k: quantized(head[k]) for k in ("fc", "lm_head") if k in head}
+    layer = {k: quantized(w) for k, w in head["layer"].items() if w.ndim == 2}  # not the norms
+    if not all(cpu_matmul.tileable(q) for q in [*top.values(), *layer.values()]):
         return head
-    out = {**head, "layer": dict(head["layer"])}
-    for name, q in converted.items():
-        if name.startswith("layer."):
-            out["layer"][name[6:]] = q
-        else:
-            out[name] = q
-    return out
+    stacked = lambda q: LayerOf(q.tiled(cpu_matmul.TILE), jnp.int32(0))  # noqa: E731
+    return {**head, **{k: stacked(q) for k, q in top.items()},
+            "layer": {**head["layer"], **{k: stacked(q) for k, q in layer.items()}}}

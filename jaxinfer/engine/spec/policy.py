@@ -104,9 +104,3 @@ class DraftPolicy:
 
     def _seconds(self, bucket: int, drafting: bool) -> _RunningMean:
         return self.step_seconds.setdefault((bucket, drafting), _RunningMean())
-
-    def summary(self) -> dict:
-        """What the rule has measured, for LLMEngine.stats()."""
-        return {"emitted_per_verification": self.emitted.value,
-                "step_seconds": {f"{b}{'+drafts' if d else ''}": m.value
-                                 for (b, d), m in sorted(self.step_seconds.items())}}

@@ -1,6 +1,6 @@
 """What the engine asks of a draft proposer, and which sequences it asks for.
 
-After every step the engine calls `after_step(batch, out)`: the proposer
+After every step the engine calls `after_step(batch, out, started)`: the proposer
 first takes in the step's results (`update`: a draft model rolls its cache
 back to the accepted tokens, an EAGLE proposer keeps the target's features
 of the accepted positions), then proposes drafts for every sequence of the
@@ -63,7 +63,7 @@ class Proposer:
         remaining = params.max_tokens - len(seq.output_token_ids)
         return max(0, min(self.k, remaining - 1, self.max_model_len - seq.num_tokens - 1))
 
-    def after_step(self, batch: ScheduledBatch, out, started: float | None = None) -> None:
+    def after_step(self, batch: ScheduledBatch, out, started: float) -> None:
         """started: when the step began (time.perf_counter()), for the adaptive rule's timings."""
         self.update(batch, out)
         # Finished sequences are gone; one that still owes prompt tokens does not decode next.
@@ -77,7 +77,7 @@ class Proposer:
                 for seq, drafts in zip(seqs, self.propose(seqs, [cap for cap in caps if cap])):
                     seq.draft_token_ids = drafts
                     drafted = drafted or bool(drafts)
-        if self.policy is not None and started is not None:
+        if self.policy is not None:
             self.policy.record(batch, out, drafted, time.perf_counter() - started)
 
     def propose(self, seqs: list[Sequence], caps: list[int]) -> list[list[int]]:
@@ -99,7 +99,7 @@ class NoProposer(Proposer):
     def __init__(self):
         super().__init__(0, 0)
 
-    def after_step(self, batch, out, started=None) -> None:
+    def after_step(self, batch, out, started) -> None:
         pass
 
 
