@@ -17,7 +17,8 @@
 //   out      f32 [R, out]:  y[r, o] = sum_i x[r, i] * (q[i, o] * scale[g, o] + offset[g, o]),  g = i / group
 //
 // or, tiled (quant/tensor.py: `tile` 64, AVX-512 builds only), data [L, out / 64,
-// in(/2), 64] and scales / offsets [L, out / 64, in / group, 64].
+// in(/2), 64] and scales / offsets [L, out / 64, in / group, 64]; int4 codes
+// in a tile's 64-byte lines in nibble order (NibbleFloats).
 //
 // Computed per group as scale * (x . q) + offset * sum(x): the same real
 // numbers as the dequantized weight, rounded in another order.
@@ -187,31 +188,60 @@ float* GroupBuffer(int64_t group) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
 }
 
-// 64 bytes as 64 floats (signed int8 or unsigned codes).
-template <bool kSigned>
+// 64 unsigned codes (plain int4, nibbles split) as 64 floats.
 void BytesToFloats(__m512i bytes, float* out) {
   const __m128i quarters[4] = {_mm512_extracti32x4_epi32(bytes, 0), _mm512_extracti32x4_epi32(bytes, 1),
                                _mm512_extracti32x4_epi32(bytes, 2), _mm512_extracti32x4_epi32(bytes, 3)};
-  for (int k = 0; k < 4; ++k) {
-    const __m512i ints = kSigned ? _mm512_cvtepi8_epi32(quarters[k]) : _mm512_cvtepu8_epi32(quarters[k]);
-    _mm512_store_ps(out + 16 * k, _mm512_cvtepi32_ps(ints));
-  }
+  for (int k = 0; k < 4; ++k) _mm512_store_ps(out + 16 * k, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(quarters[k])));
+}
+
+// 16 int8 codes in memory as 16 floats. Widening straight from memory: taking
+// them out of a 64-byte register first (vextracti32x4) was a second
+// cross-lane shuffle per 16 codes, and the one-row matvec of the Q8_0 head's
+// shape ran 1.25x slower from L2 (BENCHMARKS.md, stop 28).
+inline __m512 Int8Floats(const uint8_t* codes) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+}
+
+// Tiled int4 codes are stored in nibble order (quant/tensor.py, `tiled`):
+// within each 64-byte line, byte 4d + m holds column 16m + d, low nibble
+// input 2j, high nibble 2j + 1. Shifted right by 8m + 4h, 32-bit lane d then
+// holds column 16m + d's code of input 2j + h in its low 4 bits, and vpermps,
+// which reads only those, looks its float up in a 16-entry table: a shift and
+// an in-register permute per 16 codes, where widening bytes in column order
+// took a mask, an extract, a vpmovzxbd and a vcvtdq2ps. A one-row matvec of
+// 576 x 3072 from L2 on the dev VM: 78 -> 51 us (BENCHMARKS.md, stop 28).
+template <int kShift>
+inline __m512 NibbleFloats(__m512i line) {
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_permutexvar_ps(kShift ? _mm512_srli_epi32(line, kShift) : line, values);
 }
 
 // Group g's codes of the 64 columns at col as floats: w[i * 64 + c] = q[g * group + i, col + c].
 void GroupCodes(const Problem& p, int64_t g, int64_t col, float* w) {
   const uint8_t* codes = CodeColumn(p, col);
   const int64_t stride = RowStride(p);
-  if (p.int4) {
+  if (p.int4 && p.tile) {
+    for (int64_t j = 0; j < p.group / 2; ++j) {  // byte row j: inputs 2j and 2j + 1, in nibble order
+      const __m512i line = _mm512_loadu_si512(codes + (g * p.group / 2 + j) * stride);
+      float* low = w + 2 * j * kTileColumns;
+      float* high = low + kTileColumns;
+      _mm512_store_ps(low, NibbleFloats<0>(line)), _mm512_store_ps(high, NibbleFloats<4>(line));
+      _mm512_store_ps(low + 16, NibbleFloats<8>(line)), _mm512_store_ps(high + 16, NibbleFloats<12>(line));
+      _mm512_store_ps(low + 32, NibbleFloats<16>(line)), _mm512_store_ps(high + 32, NibbleFloats<20>(line));
+      _mm512_store_ps(low + 48, NibbleFloats<24>(line)), _mm512_store_ps(high + 48, NibbleFloats<28>(line));
+    }
+  } else if (p.int4) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int64_t j = 0; j < p.group / 2; ++j) {  // byte row j: input 2j (low nibbles), 2j + 1 (high)
       const __m512i bytes = _mm512_loadu_si512(codes + (g * p.group / 2 + j) * stride);
-      BytesToFloats<false>(_mm512_and_si512(bytes, nibble), w + 2 * j * kTileColumns);
-      BytesToFloats<false>(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble), w + (2 * j + 1) * kTileColumns);
+      BytesToFloats(_mm512_and_si512(bytes, nibble), w + 2 * j * kTileColumns);
+      BytesToFloats(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble), w + (2 * j + 1) * kTileColumns);
     }
   } else {
     for (int64_t i = 0; i < p.group; ++i) {
-      BytesToFloats<true>(_mm512_loadu_si512(codes + (g * p.group + i) * stride), w + i * kTileColumns);
+      const uint8_t* row = codes + (g * p.group + i) * stride;
+      for (int k = 0; k < 4; ++k) _mm512_store_ps(w + i * kTileColumns + 16 * k, Int8Floats(row + 16 * k));
     }
   }
 }
@@ -286,16 +316,6 @@ std::vector<float> GroupSums(const Problem& p) {
   return sums;
 }
 
-// 16 bytes of v: k must be a constant (the loops over k are unrolled).
-inline __m128i Quarter(__m512i v, int k) {
-  switch (k) {
-    case 0: return _mm512_extracti32x4_epi32(v, 0);
-    case 1: return _mm512_extracti32x4_epi32(v, 1);
-    case 2: return _mm512_extracti32x4_epi32(v, 2);
-    default: return _mm512_extracti32x4_epi32(v, 3);
-  }
-}
-
 // A tiled weight at up to kRowBlock rows: rows [row0, row0 + kRows) x the
 // 16 * kVectors columns at col, group g. TileGroup's multiply-adds in the same
 // order, with each code row turned into floats in registers as it is used
@@ -306,41 +326,50 @@ inline __m128i Quarter(__m512i v, int k) {
 // has fewer).
 template <int kRows, int kVectors>
 void FewRowsGroup(const Problem& p, int64_t g, int64_t col, int64_t row0, const float* x_sums, float* result) {
-  constexpr int kLines = (kVectors + 3) / 4;  // 64-byte code lines (tiles) per input
+  constexpr int kLines = kVectors / 4;  // 64-byte code lines (tiles) per input
   __m512 acc[kRows][kVectors];
   for (int r = 0; r < kRows; ++r)
     for (int k = 0; k < kVectors; ++k) acc[r][k] = _mm512_setzero_ps();
   const float* x = p.x + row0 * p.in + g * p.group;
-  // One input's codes (bytes, one per column) into every row's accumulators.
-  auto multiply_add = [&](const __m512i* bytes, int64_t i, auto is_signed) {
+  // One input's codes, 16 columns at a time as floats from code_floats(k),
+  // into every row's accumulators.
+  auto multiply_add = [&](int64_t i, auto code_floats) {
     __m512 xi[kRows];
     for (int r = 0; r < kRows; ++r) xi[r] = _mm512_set1_ps(x[r * p.in + i]);
     for (int k = 0; k < kVectors; ++k) {
-      const __m128i quarter = Quarter(bytes[k / 4], k % 4);
-      const __m512 w = _mm512_cvtepi32_ps(decltype(is_signed)::value ? _mm512_cvtepi8_epi32(quarter)
-                                                                     : _mm512_cvtepu8_epi32(quarter));
+      const __m512 w = code_floats(k);
       for (int r = 0; r < kRows; ++r) acc[r][k] = _mm512_fmadd_ps(w, xi[r], acc[r][k]);
     }
   };
   const uint8_t* codes[kLines];
   for (int l = 0; l < kLines; ++l) codes[l] = CodeColumn(p, col + 64 * l);
   const int64_t stride = RowStride(p);
-  __m512i low[kLines], high[kLines];
   if (p.int4) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int64_t j = 0; j < p.group / 2; ++j) {  // byte row j: input 2j (low nibbles), 2j + 1 (high)
-      for (int l = 0; l < kLines; ++l) {
-        const __m512i bytes = _mm512_loadu_si512(codes[l] + (g * p.group / 2 + j) * stride);
-        low[l] = _mm512_and_si512(bytes, nibble);
-        high[l] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-      }
-      multiply_add(low, 2 * j, std::false_type{});
-      multiply_add(high, 2 * j + 1, std::false_type{});
+    for (int64_t j = 0; j < p.group / 2; ++j) {  // byte row j: inputs 2j and 2j + 1, in nibble order
+      __m512i lines[kLines];
+      for (int l = 0; l < kLines; ++l) lines[l] = _mm512_loadu_si512(codes[l] + (g * p.group / 2 + j) * stride);
+      // Vector k is columns 16(k % 4) .. + 15 of line k / 4 (k unrolled: the shifts are constants).
+      multiply_add(2 * j, [&](int k) {
+        switch (k % 4) {
+          case 0: return NibbleFloats<0>(lines[k / 4]);
+          case 1: return NibbleFloats<8>(lines[k / 4]);
+          case 2: return NibbleFloats<16>(lines[k / 4]);
+          default: return NibbleFloats<24>(lines[k / 4]);
+        }
+      });
+      multiply_add(2 * j + 1, [&](int k) {
+        switch (k % 4) {
+          case 0: return NibbleFloats<4>(lines[k / 4]);
+          case 1: return NibbleFloats<12>(lines[k / 4]);
+          case 2: return NibbleFloats<20>(lines[k / 4]);
+          default: return NibbleFloats<28>(lines[k / 4]);
+        }
+      });
     }
   } else {
     for (int64_t i = 0; i < p.group; ++i) {
-      for (int l = 0; l < kLines; ++l) low[l] = _mm512_loadu_si512(codes[l] + (g * p.group + i) * stride);
-      multiply_add(low, i, std::true_type{});
+      const int64_t at = (g * p.group + i) * stride;
+      multiply_add(i, [&](int k) { return Int8Floats(codes[k / 4] + at + 16 * (k % 4)); });
     }
   }
   FoldGroup<kRows, kVectors>(p, acc, g, col, row0, x_sums, result);

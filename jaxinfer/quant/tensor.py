@@ -43,8 +43,12 @@ tile  0: data, scales and offsets as above. T > 0 (int8 / int4 only): the
         input) then streams one contiguous run of memory instead of T bytes
         from every row, which on the dev VM read 2x faster from memory
         (loading/model.py tiles the stacked layer weights for the kernels,
-        quant/cpu_matmul.py). untiled() gives the plain layout, which every
-        other path takes.
+        quant/cpu_matmul.py). int4 data is also in nibble order: within each
+        64 bytes of a tile's row, byte 4d + m holds column 16m + d, so that
+        the kernel turns 16 codes into floats with a shift and a table
+        lookup instead of widening bytes across the register
+        (cpu_matmul.cc, NibbleFloats). untiled() gives the plain layout,
+        which every other path takes.
 
 `scheme`, `group_size`, `activation_block` and `tile` are static (pytree metadata).
 """
@@ -58,6 +62,11 @@ import jax.numpy as jnp
 import numpy as np
 
 SCHEMES = ("int8", "int4", "fp8", "w8a8")
+NIBBLE_LINE = 64  # bytes of tiled int4 codes put in nibble order together (one AVX-512 register)
+
+
+def _as_jnp(a):
+    return None if a is None else jnp.asarray(a)
 
 
 @jax.tree_util.register_dataclass
@@ -93,13 +102,20 @@ class QuantizedTensor:
             raise ValueError(f"cannot tile a {self.scheme} tensor of {self.out_features} columns "
                              f"(tile {self.tile}) by {tile}")
 
+        if self.scheme == "int4" and tile % NIBBLE_LINE:
+            raise ValueError(f"int4 tiles are whole lines of {NIBBLE_LINE} bytes, not {tile}")
+
         def to_tiles(a):  # [..., rows, out] -> [..., out // tile, rows, tile]
             if a is None:
                 return None
             a = np.asarray(a)
-            return jnp.asarray(np.ascontiguousarray(np.swapaxes(a.reshape(*a.shape[:-1], -1, tile), -3, -2)))
-        return dataclasses.replace(self, data=to_tiles(self.data), scales=to_tiles(self.scales),
-                                   offsets=to_tiles(self.offsets), tile=tile)
+            return np.ascontiguousarray(np.swapaxes(a.reshape(*a.shape[:-1], -1, tile), -3, -2))
+        data = to_tiles(self.data)
+        if self.scheme == "int4":  # column 16m + d of each line to byte 4d + m
+            lines = data.reshape(*data.shape[:-1], -1, 4, NIBBLE_LINE // 4)
+            data = np.ascontiguousarray(np.swapaxes(lines, -1, -2)).reshape(data.shape)
+        return dataclasses.replace(self, data=jnp.asarray(data), scales=_as_jnp(to_tiles(self.scales)),
+                                   offsets=_as_jnp(to_tiles(self.offsets)), tile=tile)
 
     def untiled(self) -> QuantizedTensor:
         """The same weight in the plain layout (itself where it is not tiled)."""
@@ -108,7 +124,11 @@ class QuantizedTensor:
 
         def from_tiles(a):  # [..., out // tile, rows, tile] -> [..., rows, out]
             return None if a is None else jnp.swapaxes(a, -3, -2).reshape(*a.shape[:-3], a.shape[-2], -1)
-        return dataclasses.replace(self, data=from_tiles(self.data), scales=from_tiles(self.scales),
+        data = self.data
+        if self.scheme == "int4":  # byte 4d + m of each line back to column 16m + d
+            lines = data.reshape(*data.shape[:-1], -1, NIBBLE_LINE // 4, 4)
+            data = jnp.swapaxes(lines, -1, -2).reshape(data.shape)
+        return dataclasses.replace(self, data=from_tiles(data), scales=from_tiles(self.scales),
                                    offsets=from_tiles(self.offsets), tile=0)
 
     @property
