@@ -73,10 +73,9 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a plain checkout
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from jaxinfer import benchmark  # noqa: E402
-from jaxinfer.bench_timing import copy_bandwidth_gbs, time_ms  # noqa: E402
+from jaxinfer.bench_timing import copy_bandwidth_gbs, read_bandwidth_gbs, weight_bytes_per_step  # noqa: E402
 from jaxinfer.loading.checkpoint import default_model_path, open_checkpoint  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 
@@ -127,28 +126,6 @@ def git_commit() -> dict:
         return subprocess.run(["git", "--no-optional-locks", *args], cwd=REPO, capture_output=True, text=True).stdout
     return {"commit": git("rev-parse", "HEAD").strip() or None,
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no").strip())}
-
-
-def read_bandwidth_gbs(num_bytes: int) -> float:
-    """Memory read bandwidth: a jitted sum over a num_bytes float32 array, median of 5."""
-    x = jnp.ones((num_bytes // 4,), jnp.float32)
-    ms = time_ms(jax.jit(jnp.sum), x, iters=5)
-    del x
-    return num_bytes / (ms * 1e-3) / 1e9
-
-
-def weight_bytes_per_step(params: dict) -> int:
-    """Bytes of weights a one-row decode step reads: every leaf, except that the
-    embedding table is only gathered from (one row per token) where another
-    head multiplies: an untied or quantized lm_head, or the few_row_head that
-    one row takes (models/llama.py, compute_logits)."""
-    def nbytes(tree):
-        return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree))
-
-    total = nbytes(params)
-    if "embed" in params and ("lm_head" in params or "few_row_head" in params):
-        total -= nbytes(params["embed"])
-    return total
 
 
 # -- HF transformers -------------------------------------------------------------

@@ -16,8 +16,9 @@ engine's own params and KV pool:
     rest        forward - matmuls - attention - head: norms, RoPE, embedding,
                 residuals, the scan's own slicing
 
-and the bytes of weights a step reads, against the copy bandwidth measured
-here. Parts timed alone overlap less than inside the step, so "rest" can be
+and the bytes of weights a one-row step reads (bench_timing.weight_bytes_per_step,
+the count bench_cpu.py uses) per step time, against the read bandwidth
+measured here (a jitted sum over 512 MiB). Parts timed alone overlap less than inside the step, so "rest" can be
 slightly negative; it is the remainder, not a measurement.
 
     python scripts/profile_decode.py [--batch-sizes 1,32] [--context 128] [--quantization gguf] [--json out.json]
@@ -47,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from jaxinfer import LLM, SamplingParams
-    from jaxinfer.bench_timing import time_ms
+    from jaxinfer.bench_timing import read_bandwidth_gbs, time_ms, weight_bytes_per_step
     from jaxinfer.engine.programs import forward_step, sample_step
     from jaxinfer.engine.sampler import SamplingMetadata
     from jaxinfer.models.layers import rms_norm
@@ -62,15 +63,12 @@ def main() -> None:
     llm.wait_compiled()
     engine, runner = llm.engine, llm.engine.runner
     config, params = llm.model.config, llm.model.params
-    weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
-    # Read bandwidth: a jitted sum over 512 MB (a copy's fresh output buffer
-    # page-faults on this VM and measures the allocator, not the memory).
-    big = jnp.ones(128 * 2**20, jnp.float32)
-    bandwidth = big.nbytes / (time_ms(jax.jit(jnp.sum), big, iters=5) * 1e-3) / 1e9
-    del big
+    weight_bytes = weight_bytes_per_step(params)
+    bandwidth = read_bandwidth_gbs(512 * 2**20)
     results = {"model": llm.model.source, "quantization": llm.model.quantization, "weight_bytes": weight_bytes,
                "read_bandwidth_gbs": bandwidth, "context": args.context, "batches": []}
-    print(f"{llm.model.source}: {weight_bytes / 1e6:.0f} MB of weights; read bandwidth {bandwidth:.1f} GB/s")
+    print(f"{llm.model.source}: {weight_bytes / 1e6:.0f} MB of weights read per one-row step; "
+          f"read bandwidth {bandwidth:.1f} GB/s")
 
     for batch in batch_sizes:
         rng = np.random.default_rng(0)
