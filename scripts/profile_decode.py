@@ -18,8 +18,9 @@ engine's own params and KV pool:
 
 and the bytes of weights a one-row step reads (bench_timing.weight_bytes_per_step,
 the count bench_cpu.py uses) per step time, against the read bandwidth
-measured here (a jitted sum over 512 MiB). Parts timed alone overlap less than inside the step, so "rest" can be
-slightly negative; it is the remainder, not a measurement.
+measured here (a jitted sum over 512 MiB). Parts timed alone overlap less
+than inside the step, so "rest" can be slightly negative; it is the
+remainder, not a measurement.
 
     python scripts/profile_decode.py [--batch-sizes 1,32] [--context 128] [--quantization gguf] [--json out.json]
 """
