@@ -55,9 +55,10 @@ def random_stacked_weight(rng, scheme, layers, in_features, out_features, group_
                                                 (23, 192), (40, 128)])
 def test_matches_float64(scheme, group_size, offsets, rows, out_features):
     """Up to 8 rows: chunks of 256 columns (1000: several and a partial one).
-    Past 8, tiles of 64 columns and 6 rows in tasks of 18 rows (23 and 40
-    rows: partial tiles and tasks), or, where the columns are no multiple of
-    64, blocks of 8 rows (13: a block of 8 and one of 5)."""
+    Past 8, tiles of 64 columns and 6 rows in equal tasks of at most 36 rows
+    (23 rows: two tasks of 12 on two cores; 40: two of 20, a partial tile
+    each), or, where the columns are no multiple of 64, blocks of 8 rows (13:
+    a block of 8 and one of 5)."""
     rng = np.random.default_rng(rows + group_size)
     w, value = random_stacked_weight(rng, scheme, 3, 576, out_features, group_size, offsets)
     x = rng.standard_normal((rows, 576)).astype(np.float32)
@@ -87,16 +88,19 @@ def test_tiled_matches_float64(scheme, group_size, offsets, rows, out_features):
 
 
 def test_tiled_row_does_not_depend_on_the_rows_beside_it():
-    """Every row count up to 8 (each its own tiling of rows and columns) gives
-    each row bit for bit its one-row result: what lets a verification of 1 + K
-    rows score a sequence's tokens exactly as plain decoding, one at a time, does."""
+    """Every row count up to 8 (each its own tiling of rows and columns), and
+    the register-tiled path's splits past it (13 and 32 rows: one task or
+    two; 75: tasks of 19 or 25 rows, each ending on one row), give each row
+    bit for bit its one-row result: what lets a verification of 1 + K rows
+    score a sequence's tokens exactly as plain decoding, one at a time, does,
+    and a batch of 32 decode each sequence as it would alone."""
     rng = np.random.default_rng(7)
-    w, _ = random_stacked_weight(rng, "int4", 2, 576, 512, 32, True)
+    w, _ = random_stacked_weight(rng, "int4", 2, 576, 576, 32, True)
     tiled = w.tiled(cpu_matmul.TILE)
-    x = rng.standard_normal((8, 576)).astype(np.float32)
+    x = rng.standard_normal((75, 576)).astype(np.float32)
     run = jax.jit(cpu_matmul.quantized_matmul)
-    alone = np.stack([np.asarray(run(x[r:r + 1], tiled, 1))[0] for r in range(8)])
-    for rows in range(2, 9):
+    alone = np.stack([np.asarray(run(x[r:r + 1], tiled, 1))[0] for r in range(75)])
+    for rows in [*range(2, 9), 13, 32, 75]:
         np.testing.assert_array_equal(np.asarray(run(x[:rows], tiled, 1)), alone[:rows])
 
 

@@ -177,7 +177,10 @@ void MatmulChunk(const Problem& p, int64_t chunk) {
 // into floats once per task, into an L1 buffer every row tile reads.
 constexpr int64_t kTileColumns = 64;
 constexpr int64_t kTileRows = 6;
-constexpr int64_t kTaskRows = 18;  // rows per task: the dequantization is shared by 3 row tiles
+// Rows per task at most: a group's codes are turned into floats once per task,
+// for all its row tiles. Rows are split into equal tasks (32 rows: one task,
+// 64: two of 32), so no task is left with a short tail.
+constexpr int64_t kMaxTaskRows = 36;
 
 // A group's codes as floats (GroupCodes), per thread and kept across calls:
 // group x 64 floats (8 KB for a group of 32; per-channel int8, one group of
@@ -258,14 +261,21 @@ void PrefetchGroup(const Problem& p, int64_t g, int64_t col) {
 // Group g's dots acc (rows [row0, row0 + kRows) x the 16 * kVectors columns
 // at col) into result (16 * kVectors floats a row): result += scale * dot +
 // offset * sum(x) of the group, as MatmulColumns does.
+// Unrolled completely so that acc is read from the registers the dots left it
+// in: as loops, g++ 12 stored all of acc to the stack and loaded it back,
+// a sixth more stores than the fold's own at every group, and the default
+// model's projections at 32 rows (one thread, /tmp harness) ran at 87 GFLOP/s
+// against 95 unrolled (BENCHMARKS.md, stop 29).
 template <int kRows, int kVectors>
 void FoldGroup(const Problem& p, const __m512 (&acc)[kRows][kVectors], int64_t g, int64_t col, int64_t row0,
                const float* x_sums, float* result) {
   const int64_t num_groups = p.in / p.group;
+#pragma GCC unroll 16
   for (int k = 0; k < kVectors; ++k) {
     const int64_t at = ScaleIndex(p, g, col + 16 * k);
     const __m512 scale = _mm512_loadu_ps(p.scales + at);
     const __m512 offset = p.offsets ? _mm512_loadu_ps(p.offsets + at) : _mm512_setzero_ps();
+#pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) {
       float* out = result + (row0 + r) * 16 * kVectors + 16 * k;
       __m512 v = _mm512_fmadd_ps(scale, acc[r][k], _mm512_load_ps(out));
@@ -437,8 +447,8 @@ void FewRows(ffi::ThreadPool& thread_pool, const Problem& p, const float* x_sums
 // Rows [row_begin, row_end) x the 64 columns at col, every group.
 void ManyRowsTask(const Problem& p, int64_t col, int64_t row_begin, int64_t row_end, const float* x_sums) {
   float* w = GroupBuffer(p.group);
-  alignas(64) float result[kTaskRows * kTileColumns];
-  std::fill_n(result, kTaskRows * kTileColumns, 0.0f);
+  alignas(64) float result[kMaxTaskRows * kTileColumns];
+  std::fill_n(result, kMaxTaskRows * kTileColumns, 0.0f);
   float* base = result - row_begin * kTileColumns;  // indexed by absolute row
   for (int64_t g = 0; g < p.in / p.group; ++g) {
     if (g + 1 < p.in / p.group) PrefetchGroup(p, g + 1, col);
@@ -507,12 +517,19 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32
       FewRows(thread_pool, p, x_sums.data());
       return ffi::Error::Success();
     }
-    const int64_t row_tasks = (p.rows + kTaskRows - 1) / kTaskRows;
-    jaxinfer::ParallelFor(thread_pool, row_tasks * (p.out_features / kTileColumns),
-                          [&p, &x_sums, row_tasks](int64_t task) {
-                            const int64_t row_begin = (task % row_tasks) * kTaskRows;
+    const int64_t column_tiles = p.out_features / kTileColumns;
+    const int64_t workers = std::max<int64_t>(1, thread_pool.num_threads());
+    int64_t row_tasks = (p.rows + kMaxTaskRows - 1) / kMaxTaskRows;
+    // Equal tasks in a multiple of the workers, where the rows allow: 9 column
+    // tiles (576 outputs) in 9 tasks kept one of two cores idle for a ninth
+    // of the call.
+    while (column_tiles * row_tasks % workers != 0 && row_tasks * kTileRows < p.rows) ++row_tasks;
+    const int64_t task_rows = (p.rows + row_tasks - 1) / row_tasks;
+    jaxinfer::ParallelFor(thread_pool, row_tasks * column_tiles,
+                          [&p, &x_sums, row_tasks, task_rows](int64_t task) {
+                            const int64_t row_begin = (task % row_tasks) * task_rows;
                             ManyRowsTask(p, (task / row_tasks) * kTileColumns, row_begin,
-                                         std::min(p.rows, row_begin + kTaskRows), x_sums.data());
+                                         std::min(p.rows, row_begin + task_rows), x_sums.data());
                           });
     return ffi::Error::Success();
   }

@@ -32,14 +32,17 @@ from jaxinfer.utils import cpu_has, native_ffi_target
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_quantized_matmul"
 # Rows up to which the exact kernel beats XLA's path (a float copy of the
-# weight, then a GEMM that shares it across the rows), measured on the 2-core
-# dev VM: the default model's seven projections x 30 layers at 16 / 32 / 64 /
-# 128 rows took 16-19 / 25 / 43-44 / 82 ms in the kernel against 23-29 / 31 /
-# 50 / 87-88 ms in XLA; at 256 rows XLA wins (153-166 against 170-177 ms).
+# weight, then a GEMM that shares it across the rows). The default model's
+# seven projections x 30 layers, fastest of 40 calls, on a Zen 4 VM (stop 29):
+# 256 rows 300-308 ms in the kernel against 375-380 in XLA, 512 rows 607-623
+# against 665-666. (A Zen 5 VM, before that stop's 12% faster kernel, had XLA
+# ahead at 256 rows, 153-166 against 170-177 ms, and set 128.) The CPU
+# engine's steps are 256 rows by default; an engine with a larger
+# max_num_batched_tokens takes XLA past 512.
 # Past 8 rows that is the kernel's AVX-512 register-tiled path; a CPU without
 # AVX-512 runs its few-row loop there, which lost to XLA from ~24 rows, so it
 # keeps the earlier limit.
-MAX_ROWS = 128
+MAX_ROWS = 512
 MAX_ROWS_WITHOUT_AVX512 = 8
 Q8_SOURCE = Path(__file__).with_name("cpu_q8_matmul.cc")
 Q8_TARGET_NAME = "jaxinfer_q8_matmul"
