@@ -79,6 +79,17 @@ def test_float32_pool_matches_float64(rows, group, head_dim, sliding_window, num
                                atol=2e-5, rtol=1e-5)
 
 
+def test_sharp_scores_match_float64():
+    """Queries 40x larger: scores minus their maximum reach below -100, where
+    exp underflows to 0 (the kernel's vector exp clamps and scales by 2^n
+    there), and every other range of its argument in between."""
+    rng = np.random.default_rng(11)
+    q, k_pool, v_pool, tables, context_lens, dense = make_case(rng, 6, 1, 16, 2, 3, 64, num_layers=2, layer=0)
+    q *= 40
+    out = run_kernel(q, jnp.asarray(k_pool), jnp.asarray(v_pool), tables, context_lens, 0)
+    np.testing.assert_allclose(out, numpy_attention(q, dense, context_lens, 3), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8", "fp8"])
 def test_low_precision_pools_read_back_as_stored(kv_dtype):
     """The reference gets the values the pool holds (rounded or quantized and
