@@ -1,4 +1,4 @@
-// How the native CPU kernels (models/cpu_decode_attention.cc,
+// How the native CPU kernels (models/cpu_paged_attention.cc,
 // quant/cpu_matmul.cc) spread their tasks over the cores: one rule, stated
 // here once. utils.native_library builds every kernel with this header.
 #pragma once

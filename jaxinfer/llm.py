@@ -201,10 +201,10 @@ def _start_cpu_kernel_builds(quantization) -> None:
     int8-activation matmul only for the load that uses it ("gguf-a8")."""
     if jax.default_backend() != "cpu":
         return
-    from jaxinfer.models import cpu_decode_attention
+    from jaxinfer.models import cpu_paged_attention
     from jaxinfer.quant import cpu_matmul
 
-    builds = [cpu_decode_attention.available, cpu_matmul.available]
+    builds = [cpu_paged_attention.available, cpu_matmul.available]
     if quantization == "gguf-a8":
         builds.append(cpu_matmul.q8_available)
     for available in builds:

@@ -1,5 +1,6 @@
 """Attention over the paged KV cache in plain jnp (the "jnp" backend, and the
-"xla" backend's steps that the native CPU kernel does not serve).
+"xla" backend wherever the native CPU kernel, models/cpu_paged_attention.py,
+does not run: other platforms, a mesh, a CPU without a compiler).
 
 The engine flattens a step's tokens from many sequences into one row
 (prefill chunks and decode tokens together). Its cache is one pool of blocks
@@ -39,7 +40,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.models import cpu_decode_attention
+from jaxinfer.models import cpu_paged_attention
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.kv_cache import as_fp8, is_quantized, quantize_kv
 from jaxinfer.parallel.attention import shard_heads
@@ -270,8 +271,8 @@ def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, bac
     """The model-facing attention over the paged cache (batch dim 1, tokens flattened).
 
     backend "jnp" is the plain-jnp tiled reference above. "xla" is the same,
-    except that on the CPU decode steps run the native kernel
-    (models/cpu_decode_attention.py) where it can be built. "pallas" runs the
+    except that on the CPU every step runs the native kernel
+    (models/cpu_paged_attention.py) where it can be built. "pallas" runs the
     Pallas kernels (GPU), "pallas_interpret" the same kernels in interpret mode
     (any platform, for tests). `decode` is static: the step holds exactly one
     new token per sequence (T == S, token i belongs to sequence i), which the
@@ -291,8 +292,11 @@ def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, bac
 
     def attend(q, k, v, kv_cache, layer_index):
         kv_cache, pools = _write_new_kv(kv_cache, layer_index, k, v, meta)
-        if backend == "xla" and decode and _use_cpu_kernel(q, pools[0], mesh):
-            out = _cpu_kernel(q[0][:, None], pools, layer_index, meta, sliding_window)[:, 0]
+        if backend == "xla" and _use_cpu_kernel(q, pools[0], mesh):
+            k_pool, v_pool, k_scales, v_scales = pools
+            out = cpu_paged_attention.paged_attention(q[0], k_pool, v_pool, layer_index, meta.block_tables,
+                                                      meta.context_lens, meta.query_start, k_scales=k_scales,
+                                                      v_scales=v_scales, sliding_window=sliding_window)
         elif backend in ("xla", "jnp"):
             k_pool, v_pool, k_scales, v_scales = pools
             out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index,
@@ -343,18 +347,18 @@ def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_wind
 
 
 def _use_cpu_kernel(q, k_pool, mesh) -> bool:
-    """Whether the "xla" backend's decode / verification attention runs the
-    native CPU kernel (models/cpu_decode_attention.py) rather than the jnp
+    """Whether the "xla" backend's attention runs the
+    native CPU kernel (models/cpu_paged_attention.py) rather than the jnp
     reference: on the CPU, on one device (GSPMD cannot split a custom call;
     it would gather the pool), where the kernel could be built."""
-    return mesh is None and cpu_decode_attention.supports(q, k_pool)
+    return mesh is None and cpu_paged_attention.supports(q, k_pool)
 
 
 def _cpu_kernel(q, pools, layer_index, meta: PagedAttentionMetadata, sliding_window):
     k_pool, v_pool, k_scales, v_scales = pools
-    return cpu_decode_attention.paged_decode_attention(q, k_pool, v_pool, layer_index, meta.block_tables,
-                                                       meta.context_lens, k_scales=k_scales, v_scales=v_scales,
-                                                       sliding_window=sliding_window)
+    return cpu_paged_attention.paged_decode_attention(q, k_pool, v_pool, layer_index, meta.block_tables,
+                                                      meta.context_lens, k_scales=k_scales, v_scales=v_scales,
+                                                      sliding_window=sliding_window)
 
 
 def stored_kv(x, storage_dtype, quantized: bool):

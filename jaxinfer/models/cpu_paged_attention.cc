@@ -1,25 +1,33 @@
-// Paged decode attention for XLA:CPU, called through the XLA FFI
-// (models/cpu_decode_attention.py builds and registers it).
+// Attention over the paged KV cache for XLA:CPU, called through the XLA FFI
+// (models/cpu_paged_attention.py builds and registers it): decode,
+// speculative verification, and prompt steps (chunks mixed with decode rows).
 //
 // Why it exists: written in jnp, each tile of keys is gathered from the pool
 // into a fresh array, transposed for the batched dot, and only then
 // multiplied; on the 2-core dev VM those gather/transpose copies took ~70% of
-// attention's time and made it the largest part of a batch-32 decode step.
-// Here every key and value is read once, straight from the pool, and nothing
-// is written but the output.
+// a decode step's attention. For a prompt the jnp path multiplies every new
+// row by every new key, the half the causal mask hides included, and runs the
+// softmax over all of them. Here every key and value a row sees is read
+// straight from the pool, and nothing is written but the output.
 //
 // Shapes (the engine's cache layout, models/kv_cache.py):
-//   q             f32 [S, R, H, D]   R query rows per sequence, row i at
-//                                    position context_len - R + i
+//   q             f32 [T, H, D]      the step's rows, each sequence's contiguous
 //   k_pool/v_pool [L, NB, BS, KV, D] f32, bf16, int8, or fp8 e4m3fn bits (u8)
 //   k/v_scales    f32 [L, NB, BS, KV] for int8/fp8 pools (ignored otherwise)
 //   layer         s32 []             which layer of the pools
 //   block_tables  s32 [S, MAXB], context_lens s32 [S]
-//   out           f32 [S, R, H, D]   zeros for a sequence with context_len 0
+//   query_start   s32 [S + 1]        sequence s's rows are query_start[s] ..
+//                                    query_start[s + 1] - 1, row i of them at
+//                                    position context_len - q_len + i; rows
+//                                    after query_start[S] are padding
+//   out           f32 [T, H, D]      zeros for padding rows and sequences
+//                                    with context_len 0
 // sliding_window: 0 = none, else a query sees keys less than that far behind.
+// The new rows' K/V are in the pool already (written by the step first).
 //
-// Work: one task per (sequence, KV head): the scores of its R * G query rows
-// against every cached key (kept in a buffer, ~context_len floats a row), a
+// Work: one task per run of up to kTaskPositions rows of a sequence (and KV
+// head, when the runs are too few to share out): the scores of its rows x G
+// query heads against the keys up to its last row (kept in a buffer), a
 // softmax per row, then the weighted sum of values. Tasks are shared between
 // the calling thread and XLA's intra-op thread pool (cpu_parallel.h).
 #if defined(__AVX512F__)
@@ -41,7 +49,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxHeadDim = 512;  // cpu_decode_attention.py's MAX_HEAD_DIM
+constexpr int kMaxHeadDim = 512;  // cpu_paged_attention.py's MAX_HEAD_DIM
 
 float Fp8E4m3fnToFloat(uint8_t bits) {
   const int sign = bits >> 7, exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
@@ -109,8 +117,16 @@ struct Problem {
   RowReader k, v;
   const int32_t* block_tables;
   const int32_t* context_lens;
+  const int32_t* query_start;
   float* out;
-  int64_t layer, num_blocks, block_size, num_kv_heads, head_dim, num_heads, rows, max_blocks, sliding_window;
+  int64_t layer, num_blocks, block_size, num_kv_heads, head_dim, num_heads, max_blocks, sliding_window;
+};
+
+// One task's query rows: rows [begin, end) of sequence seq's q_len rows
+// (flattened row query_start[seq] + i of q and out is at position
+// context_len - q_len + i), for KV heads [head_begin, head_end).
+struct Rows {
+  int64_t seq, begin, end, head_begin, head_end;
 };
 
 // Asks for one pool block (all its tokens and KV heads) to be brought into
@@ -235,24 +251,24 @@ void ForEachRowRun(int64_t begin, int64_t end, Body body) {
 // the caller's general loop runs instead.
 template <int64_t kHeadDim, bool kScores>
 bool FloatPoolPass(const Problem& p, int64_t seq, int64_t head_begin, int64_t num_heads, int64_t rows_per_head,
-                   int64_t context_len, float* rows, float* scores) {
+                   int64_t num_keys, float* rows, float* scores) {
 #if defined(__AVX512F__)
   if constexpr (kHeadDim > 0) {
     const RowReader& reader = kScores ? p.k : p.v;
     if (reader.dtype != ffi::DataType::F32) return false;
     const float* pool = static_cast<const float*>(reader.pool);
     const int64_t stride = p.num_kv_heads * kHeadDim;  // one token to the next, same head
-    ForEachBlock(p, reader, seq, head_begin, context_len, [&](int64_t start, int64_t count, int64_t first_row) {
+    ForEachBlock(p, reader, seq, head_begin, num_keys, [&](int64_t start, int64_t count, int64_t first_row) {
       for (int64_t h = 0; h < num_heads; ++h) {
         const float* pool_rows = pool + (first_row + h) * kHeadDim;
         ForEachRowRun<kHeadDim>(h * rows_per_head, (h + 1) * rows_per_head, [&](auto run, int64_t row) {
           constexpr int kRows = decltype(run)::value;
           if constexpr (kScores) {
             ScoreRows<kHeadDim, kRows>(pool_rows, stride, count, rows + row * kHeadDim,
-                                       scores + row * context_len + start, context_len);
+                                       scores + row * num_keys + start, num_keys);
           } else {
-            AccumulateRows<kHeadDim, kRows>(pool_rows, stride, count, scores + row * context_len + start,
-                                            context_len, rows + row * kHeadDim);
+            AccumulateRows<kHeadDim, kRows>(pool_rows, stride, count, scores + row * num_keys + start,
+                                            num_keys, rows + row * kHeadDim);
           }
         });
       }
@@ -285,10 +301,10 @@ inline __m512 Exp16(__m512 x) {
 }
 #endif
 
-// The softmax weights of one row's scores s[0, context_len), in place: keys
+// The softmax weights of one row's scores s[0, num_keys), in place: keys
 // [first, last) are visible, the others get weight 0. The weights are left
 // unnormalized; returns 1 / their sum (0 for a row that sees nothing).
-float SoftmaxWeights(float* s, int64_t context_len, int64_t first, int64_t last) {
+float SoftmaxWeights(float* s, int64_t num_keys, int64_t first, int64_t last) {
 #if defined(__AVX512F__)
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   auto visible = [&](int64_t pos) {  // lanes pos .. pos + 15 inside [first, last)
@@ -301,9 +317,9 @@ float SoftmaxWeights(float* s, int64_t context_len, int64_t first, int64_t last)
     max16 = _mm512_mask_max_ps(max16, visible(pos), max16, _mm512_maskz_loadu_ps(visible(pos), s + pos));
   const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(max16));
   __m512 sum16 = _mm512_setzero_ps();
-  for (int64_t pos = 0; pos < context_len; pos += 16) {
+  for (int64_t pos = 0; pos < num_keys; pos += 16) {
     const __mmask16 in_row =
-        pos + 16 <= context_len ? __mmask16(0xFFFF) : __mmask16((1u << (context_len - pos)) - 1);
+        pos + 16 <= num_keys ? __mmask16(0xFFFF) : __mmask16((1u << (num_keys - pos)) - 1);
     const __m512 shifted = _mm512_sub_ps(_mm512_maskz_loadu_ps(in_row, s + pos), max_score);
     const __m512 weights = _mm512_maskz_mov_ps(visible(pos), Exp16(shifted));
     _mm512_mask_storeu_ps(s + pos, in_row, weights);
@@ -314,7 +330,7 @@ float SoftmaxWeights(float* s, int64_t context_len, int64_t first, int64_t last)
   float max_score = -std::numeric_limits<float>::infinity();
   for (int64_t pos = first; pos < last; ++pos) max_score = std::max(max_score, s[pos]);
   float sum = 0.0f;
-  for (int64_t pos = 0; pos < context_len; ++pos) {
+  for (int64_t pos = 0; pos < num_keys; ++pos) {
     s[pos] = pos >= first && pos < last ? std::exp(s[pos] - max_score) : 0.0f;
     sum += s[pos];
   }
@@ -322,31 +338,36 @@ float SoftmaxWeights(float* s, int64_t context_len, int64_t first, int64_t last)
   return sum > 0.0f ? 1.0f / sum : 0.0f;
 }
 
-// Attention of sequence `seq`'s query rows for KV heads [head_begin,
-// head_end). Keys are visited token by token with the heads of a token side
-// by side, so the pool is read as the contiguous run it is (a block's tokens
-// are consecutive): reading one head's rows alone, strided, ran at ~5 GB/s.
+// Attention of one task's query rows (Rows). Keys are visited token by token
+// with the heads of a token side by side, so the pool is read as the
+// contiguous run it is (a block's tokens are consecutive): reading one head's
+// rows alone, strided, ran at ~5 GB/s. Only the keys up to the last row's
+// position are read, so a prompt's early rows skip the keys after them.
 // kHeadDim > 0 fixes head_dim at compile time (the common 64 and 128: the
 // inner loops then unroll completely); 0 reads it from the problem.
 template <int64_t kHeadDim>
-void AttendSequence(const Problem& p, int64_t seq, int64_t head_begin, int64_t head_end,
-                    std::vector<float>& scratch) {
+void AttendRows(const Problem& p, const Rows& task, std::vector<float>& scratch) {
   const int64_t group = p.num_heads / p.num_kv_heads, head_dim = kHeadDim > 0 ? kHeadDim : p.head_dim;
-  const int64_t rows_per_head = p.rows * group, num_heads = head_end - head_begin;
+  const int64_t seq = task.seq, head_begin = task.head_begin, num_heads = task.head_end - task.head_begin;
+  const int64_t q_len = p.query_start[seq + 1] - p.query_start[seq];
+  const int64_t rows_per_head = (task.end - task.begin) * group;
   const int64_t num_rows = num_heads * rows_per_head;
   const int64_t context_len = p.context_lens[seq];
-  // Row `row` = (h * rows + r) * group + g is query row r, head
+  const int64_t first_pos = context_len - q_len + task.begin;  // the position of the task's first row
+  // Row `row` = (h * rows + r) * group + g is the task's query row r, head
   // (head_begin + h) * group + g.
   auto io_offset = [&](int64_t row) {
     const int64_t h = row / rows_per_head, r = row % rows_per_head / group, g = row % group;
-    return ((seq * p.rows + r) * p.num_heads + (head_begin + h) * group + g) * head_dim;
+    return ((p.query_start[seq] + task.begin + r) * p.num_heads + (head_begin + h) * group + g) * head_dim;
   };
-  if (context_len <= 0) {
+  // Keys [0, key_end): up to the last row's position.
+  const int64_t key_end = std::min(context_len, first_pos + task.end - task.begin);
+  if (key_end <= 0) {
     for (int64_t row = 0; row < num_rows; ++row) std::fill_n(p.out + io_offset(row), head_dim, 0.0f);
     return;
   }
   // scratch: queries (pre-scaled; later the output accumulators), then scores.
-  scratch.resize(num_rows * (head_dim + context_len));
+  scratch.resize(num_rows * (head_dim + key_end));
   float* queries = scratch.data();
   float* scores = queries + num_rows * head_dim;
   const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
@@ -354,13 +375,13 @@ void AttendSequence(const Problem& p, int64_t seq, int64_t head_begin, int64_t h
   for (int64_t row = 0; row < num_rows; ++row) {
     const float* q = p.q + io_offset(row);
     for (int64_t d = 0; d < head_dim; ++d) queries[row * head_dim + d] = q[d] * softmax_scale;
-    const int64_t query_pos = context_len - p.rows + row % rows_per_head / group;
+    const int64_t query_pos = first_pos + row % rows_per_head / group;
     first[row] = p.sliding_window > 0 ? std::max<int64_t>(0, query_pos - p.sliding_window + 1) : 0;
-    last[row] = std::max(first[row], std::min<int64_t>(context_len, query_pos + 1));
+    last[row] = std::max(first[row], std::min<int64_t>(key_end, query_pos + 1));
   }
   float buffer[kMaxHeadDim];
-  if (!FloatPoolPass<kHeadDim, true>(p, seq, head_begin, num_heads, rows_per_head, context_len, queries, scores)) {
-    ForEachKey(p, p.k, seq, head_begin, context_len, [&](int64_t pos, int64_t pool_row) {
+  if (!FloatPoolPass<kHeadDim, true>(p, seq, head_begin, num_heads, rows_per_head, key_end, queries, scores)) {
+    ForEachKey(p, p.k, seq, head_begin, key_end, [&](int64_t pos, int64_t pool_row) {
       for (int64_t h = 0; h < num_heads; ++h) {
         const float* key = p.k.Read(pool_row + h, head_dim, buffer);
         for (int64_t row = h * rows_per_head; row < (h + 1) * rows_per_head; ++row) {
@@ -368,23 +389,23 @@ void AttendSequence(const Problem& p, int64_t seq, int64_t head_begin, int64_t h
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < head_dim; ++d) dot += q[d] * key[d];
-          scores[row * context_len + pos] = dot;
+          scores[row * key_end + pos] = dot;
         }
       }
     }, &p.v);
   }
   std::vector<float> inverse_sums(num_rows);
   for (int64_t row = 0; row < num_rows; ++row) {
-    inverse_sums[row] = SoftmaxWeights(scores + row * context_len, context_len, first[row], last[row]);
+    inverse_sums[row] = SoftmaxWeights(scores + row * key_end, key_end, first[row], last[row]);
   }
   float* acc = queries;  // the queries are spent: accumulate the outputs there
   std::fill_n(acc, num_rows * head_dim, 0.0f);
-  if (!FloatPoolPass<kHeadDim, false>(p, seq, head_begin, num_heads, rows_per_head, context_len, acc, scores)) {
-    ForEachKey(p, p.v, seq, head_begin, context_len, [&](int64_t pos, int64_t pool_row) {
+  if (!FloatPoolPass<kHeadDim, false>(p, seq, head_begin, num_heads, rows_per_head, key_end, acc, scores)) {
+    ForEachKey(p, p.v, seq, head_begin, key_end, [&](int64_t pos, int64_t pool_row) {
       for (int64_t h = 0; h < num_heads; ++h) {
         const float* value = p.v.Read(pool_row + h, head_dim, buffer);
         for (int64_t row = h * rows_per_head; row < (h + 1) * rows_per_head; ++row) {
-          const float weight = scores[row * context_len + pos];
+          const float weight = scores[row * key_end + pos];
           float* o = acc + row * head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * value[d];
@@ -398,38 +419,42 @@ void AttendSequence(const Problem& p, int64_t seq, int64_t head_begin, int64_t h
   }
 }
 
-// Attention of one task's sequence and KV heads (all of a sequence's heads,
-// or one when the sequences are too few to share out), with a scratch
-// buffer kept per thread.
-void AttendTask(const Problem& p, int64_t task, int64_t heads_per_task) {
+// A task's rows, with a scratch buffer kept per thread.
+void AttendTask(const Problem& p, const Rows& task) {
   thread_local std::vector<float> scratch;
-  const int64_t tasks_per_seq = p.num_kv_heads / heads_per_task;
-  const int64_t seq = task / tasks_per_seq, head_begin = task % tasks_per_seq * heads_per_task;
-  const int64_t head_end = head_begin + heads_per_task;
   if (p.head_dim == 64) {
-    AttendSequence<64>(p, seq, head_begin, head_end, scratch);
+    AttendRows<64>(p, task, scratch);
   } else if (p.head_dim == 128) {
-    AttendSequence<128>(p, seq, head_begin, head_end, scratch);
+    AttendRows<128>(p, task, scratch);
   } else {
-    AttendSequence<0>(p, seq, head_begin, head_end, scratch);
+    AttendRows<0>(p, task, scratch);
   }
 }
 
-ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
-                                    ffi::AnyBuffer v_pool, ffi::Buffer<ffi::F32> k_scales,
-                                    ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> layer,
-                                    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> context_lens,
-                                    ffi::ResultBuffer<ffi::F32> out, int64_t sliding_window) {
+// Query positions per task: a prompt's rows are cut into runs of this many,
+// each its own task (the scores buffer holds a run's rows x keys; the keys
+// come from L2 for every run after the first).
+constexpr int64_t kTaskPositions = 32;
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
+                              ffi::AnyBuffer v_pool, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
+                              ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> query_start,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t sliding_window) {
   const auto q_dims = q.dimensions();
   const auto pool_dims = k_pool.dimensions();
-  if (q_dims.size() != 4 || pool_dims.size() != 5 || block_tables.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("paged decode attention: q must be 4-D, pools 5-D, block tables 2-D");
+  if (q_dims.size() != 3 || pool_dims.size() != 5 || block_tables.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("paged attention: q must be 3-D, pools 5-D, block tables 2-D");
+  }
+  const int64_t num_seqs = context_lens.element_count(), num_tokens = q_dims[0];
+  if (query_start.element_count() != num_seqs + 1 || block_tables.dimensions()[0] != num_seqs) {
+    return ffi::Error::InvalidArgument("paged attention: query_start must have one entry per sequence, plus one");
   }
   const ffi::DataType dtype = k_pool.element_type();
   if (v_pool.element_type() != dtype ||
       (dtype != ffi::DataType::F32 && dtype != ffi::DataType::BF16 && dtype != ffi::DataType::S8 &&
        dtype != ffi::DataType::U8)) {
-    return ffi::Error::InvalidArgument("paged decode attention: pools must both be f32, bf16, int8 or fp8 bits");
+    return ffi::Error::InvalidArgument("paged attention: pools must both be f32, bf16, int8 or fp8 bits");
   }
   const bool quantized = dtype == ffi::DataType::S8 || dtype == ffi::DataType::U8;
   Problem p;
@@ -439,30 +464,59 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi
   p.v = {dtype, v_pool.untyped_data(), quantized ? v_scales.typed_data() : nullptr, row_bytes};
   p.block_tables = block_tables.typed_data();
   p.context_lens = context_lens.typed_data();
+  p.query_start = query_start.typed_data();
   p.out = out->typed_data();
   p.layer = layer.typed_data()[0];
   p.num_blocks = pool_dims[1];
   p.block_size = pool_dims[2];
   p.num_kv_heads = pool_dims[3];
   p.head_dim = pool_dims[4];
-  p.rows = q_dims[1];
-  p.num_heads = q_dims[2];
+  p.num_heads = q_dims[1];
   p.max_blocks = block_tables.dimensions()[1];
   p.sliding_window = sliding_window;
-  if (q_dims[3] != p.head_dim || p.head_dim > kMaxHeadDim || p.num_heads % p.num_kv_heads != 0) {
-    return ffi::Error::InvalidArgument("paged decode attention: q's heads / head_dim do not match the pools");
+  if (q_dims[2] != p.head_dim || p.head_dim > kMaxHeadDim || p.num_heads % p.num_kv_heads != 0) {
+    return ffi::Error::InvalidArgument("paged attention: q's heads / head_dim do not match the pools");
   }
-  const int64_t num_seqs = q_dims[0];
+  // Sequences' rows must be contiguous, in order, inside q; rows after the
+  // last sequence's are padding and get zeros.
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (p.query_start[s] < 0 || p.query_start[s + 1] < p.query_start[s] || p.query_start[num_seqs] > num_tokens) {
+      return ffi::Error::InvalidArgument("paged attention: query_start must rise from 0 to at most q's rows");
+    }
+  }
+  const int64_t padding_row = num_seqs > 0 ? p.query_start[num_seqs] : 0;
+  std::fill(p.out + padding_row * p.num_heads * p.head_dim, p.out + num_tokens * p.num_heads * p.head_dim, 0.0f);
+  std::vector<Rows> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = p.query_start[s + 1] - p.query_start[s];
+    for (int64_t begin = 0; begin < q_len; begin += kTaskPositions) {
+      tasks.push_back({s, begin, std::min(q_len, begin + kTaskPositions), 0, p.num_kv_heads});
+    }
+  }
+  // One task per run of rows and KV head, unless there are runs enough to
+  // share out whole (batched decode: each sequence's heads read its blocks once).
   const int64_t num_threads = std::max<int64_t>(1, thread_pool.num_threads());
-  const int64_t heads_per_task = num_seqs >= 4 * num_threads ? p.num_kv_heads : 1;
-  jaxinfer::ParallelFor(thread_pool, num_seqs * (p.num_kv_heads / heads_per_task),
-                        [&p, heads_per_task](int64_t task) { AttendTask(p, task, heads_per_task); });
+  if (static_cast<int64_t>(tasks.size()) < 4 * num_threads) {
+    std::vector<Rows> per_head;
+    for (const Rows& t : tasks)
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) per_head.push_back({t.seq, t.begin, t.end, h, h + 1});
+    tasks.swap(per_head);
+  }
+  // The runs that see the most keys first, so that the last ones to finish are short.
+  std::stable_sort(tasks.begin(), tasks.end(), [&p](const Rows& a, const Rows& b) {
+    auto keys = [&p](const Rows& t) {
+      return p.context_lens[t.seq] - (p.query_start[t.seq + 1] - p.query_start[t.seq]) + t.end;
+    };
+    return keys(a) > keys(b);
+  });
+  jaxinfer::ParallelFor(thread_pool, static_cast<int64_t>(tasks.size()),
+                        [&p, &tasks](int64_t i) { AttendTask(p, tasks[i]); });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedDecodeAttention, PagedDecodeAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
@@ -473,5 +527,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferPagedDecodeAttention, PagedDecodeAttention
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // context_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<int64_t>("sliding_window"));

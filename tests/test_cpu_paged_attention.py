@@ -1,23 +1,27 @@
-"""The native CPU decode attention kernel (models/cpu_decode_attention.cc)
+"""The native CPU paged attention kernel (models/cpu_paged_attention.cc)
 against a float64 numpy computation on dense per-sequence K/V: decode (1 row
-per sequence) and verification (1 + K rows) layouts, GQA, sliding windows,
-every pool dtype, a layer index into a multi-layer pool, and padding rows.
-Pool slots no sequence owns hold NaN, so reading a wrong slot fails."""
+per sequence), verification (1 + K rows) and prompt (ragged rows per
+sequence) layouts, GQA, sliding windows, every pool dtype, a layer index
+into a multi-layer pool, and padding rows. Pool slots no sequence owns hold
+NaN, so reading a wrong slot fails."""
+
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models import cpu_decode_attention
+from jaxinfer.models import cpu_paged_attention
 from jaxinfer.models.kv_cache import as_fp8, quantize_kv
 from tests.test_paged_attention import make_case as paged_case
+from tests.test_paged_attention import numpy_attention as numpy_ragged_attention
 
 
 def test_kernel_builds_here():
     # Not a skip: the suite runs where g++ is (CI installs nothing else), and
     # without the kernel every CPU decode step silently takes the slow path.
-    assert cpu_decode_attention.available()
+    assert cpu_paged_attention.available()
 
 
 def make_case(rng, num_seqs, rows, block_size, num_kv_heads, group, head_dim, num_layers, layer):
@@ -57,7 +61,7 @@ def numpy_attention(q, dense, context_lens, group, sliding_window=None):
 
 
 def run_kernel(q, k_pool, v_pool, tables, context_lens, layer, sliding_window=None, k_scales=None, v_scales=None):
-    fn = jax.jit(lambda *a: cpu_decode_attention.paged_decode_attention(
+    fn = jax.jit(lambda *a: cpu_paged_attention.paged_decode_attention(
         *a, k_scales=k_scales, v_scales=v_scales, sliding_window=sliding_window))
     return np.asarray(fn(jnp.asarray(q), k_pool, v_pool, jnp.int32(layer), jnp.asarray(tables),
                          jnp.asarray(context_lens)))
@@ -118,6 +122,46 @@ def test_low_precision_pools_read_back_as_stored(kv_dtype):
     np.testing.assert_allclose(out, numpy_attention(q, stored, context_lens, 3), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim,sliding_window", [(64, None), (32, None), (64, 24)])
+def test_prompt_rows_match_float64(head_dim, sliding_window):
+    """A flattened step as the engine builds it: a whole prompt of 70 rows (three
+    runs of the kernel's 32 positions), a chunk of 33 at the end of a longer
+    context, decode rows, a sequence with no rows (padding), then padding rows.
+    Head dim 64 takes the register loops, 32 the general one."""
+    rng = np.random.default_rng(head_dim + (sliding_window or 0))
+    block_size, num_kv_heads, group, num_layers, layer = 16, 2, 3, 2, 1
+    contexts_and_rows = [(70, 70), (1, 1), (90, 33), (0, 0), (45, 1), (17, 17)]
+    blocks = [-(-c // block_size) for c, _ in contexts_and_rows]
+    num_blocks = 1 + sum(blocks) + 2
+    k_pool, v_pool = (np.full((num_layers, num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)
+                      for _ in range(2))
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    tables = np.zeros((len(contexts_and_rows), max(blocks) + 1), np.int32)
+    dense_k, dense_v, token_seq, positions = [], [], [], []
+    for s, (context, rows) in enumerate(contexts_and_rows):
+        k, v = (rng.standard_normal((context, num_kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+        for b in range(blocks[s]):
+            tables[s, b] = free.pop()
+            n = min(block_size, context - b * block_size)
+            k_pool[layer, tables[s, b], :n] = k[b * block_size:][:n]
+            v_pool[layer, tables[s, b], :n] = v[b * block_size:][:n]
+        dense_k.append(k)
+        dense_v.append(v)
+        token_seq += [s] * rows
+        positions += range(context - rows, context)
+    num_padding = 3
+    q = rng.standard_normal((len(token_seq) + num_padding, num_kv_heads * group, head_dim)).astype(np.float32)
+    query_start = np.concatenate([[0], np.cumsum([r for _, r in contexts_and_rows])]).astype(np.int32)
+    context_lens = np.array([c for c, _ in contexts_and_rows], np.int32)
+    fn = jax.jit(lambda *a: cpu_paged_attention.paged_attention(*a, sliding_window=sliding_window))
+    out = np.asarray(fn(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), jnp.int32(layer),
+                        jnp.asarray(tables), jnp.asarray(context_lens), jnp.asarray(query_start)))
+    rows = types.SimpleNamespace(token_seq=token_seq, positions=positions)
+    expected = numpy_ragged_attention(q[:len(token_seq)], rows, dense_k, dense_v, group, sliding_window)
+    np.testing.assert_allclose(out[:len(token_seq)], expected, atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out[len(token_seq):], 0.0)
+
+
 def test_engine_decode_step_calls_the_kernel():
     """The engine's decode forward on CPU compiles to the kernel's custom
     call, not the jnp tile loop (whose results the engine tests compare with
@@ -134,4 +178,4 @@ def test_engine_decode_step_calls_the_kernel():
     new_kv = jnp.zeros((1, 4, 2, 32), jnp.float32)
     hlo = jax.jit(attend).lower(jnp.asarray(q[:, 0])[None], new_kv, new_kv,
                                 (jnp.nan_to_num(k_pool), jnp.nan_to_num(v_pool)), jnp.int32(0)).as_text()
-    assert cpu_decode_attention.TARGET_NAME in hlo
+    assert cpu_paged_attention.TARGET_NAME in hlo
