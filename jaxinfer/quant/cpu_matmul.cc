@@ -261,13 +261,14 @@ void PrefetchGroup(const Problem& p, int64_t g, int64_t col) {
 // Group g's dots acc (rows [row0, row0 + kRows) x the 16 * kVectors columns
 // at col) into result (16 * kVectors floats a row): result += scale * dot +
 // offset * sum(x) of the group, as MatmulColumns does.
-// Unrolled completely so that acc is read from the registers the dots left it
-// in: as loops, g++ 12 stored all of acc to the stack and loaded it back,
-// a sixth more stores than the fold's own at every group, and the default
-// model's projections at 32 rows (one thread, /tmp harness) ran at 87 GFLOP/s
-// against 95 unrolled (BENCHMARKS.md, stop 29).
+// Unrolled completely and always inlined so that acc is read from the
+// registers the dots left it in: as loops, g++ 12 stored all of acc to the
+// stack and loaded it back at every group, and the default model's
+// projections at 32 rows (one thread, /tmp harness) ran at 87 GFLOP/s against
+// 95 unrolled; the tiles of 5 rows (a 35-row task) were still called out of
+// line, 92 -> 94 GFLOP/s inlined (BENCHMARKS.md, stop 29).
 template <int kRows, int kVectors>
-void FoldGroup(const Problem& p, const __m512 (&acc)[kRows][kVectors], int64_t g, int64_t col, int64_t row0,
+__attribute__((always_inline)) inline void FoldGroup(const Problem& p, const __m512 (&acc)[kRows][kVectors], int64_t g, int64_t col, int64_t row0,
                const float* x_sums, float* result) {
   const int64_t num_groups = p.in / p.group;
 #pragma GCC unroll 16
