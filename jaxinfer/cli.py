@@ -29,7 +29,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--attention-backend", default=None, choices=["xla", "jnp", "pallas", "pallas_interpret"],
                         help="default: pallas on GPU, xla elsewhere (jnp: xla without the native CPU "
-                        "decode kernel)")
+                        "attention kernel)")
     parallel = parser.add_argument_group("multi-device (README.md, Multi-device)")
     parallel.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                           help="shard the model over N devices")

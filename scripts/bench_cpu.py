@@ -11,7 +11,7 @@ Engines and configurations (all greedy, one thread per core everywhere):
              load-time scheme ("int8", "int4", "fp8", "w8a8"); XLA uses every core.
              "SCHEME/KV" sets the KV cache dtype too ("gguf/int8": gguf weights,
              int8 KV cache) and "SCHEME:BACKEND" the attention backend
-             ("gguf:jnp": without the native CPU decode kernel); without them,
+             ("gguf:jnp": without the native CPU attention kernel); without them,
              the engine's defaults
   llama.cpp  the GGUF as stored, n_threads = cores, batch 1 only (optional)
 
