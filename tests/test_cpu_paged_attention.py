@@ -122,15 +122,20 @@ def test_low_precision_pools_read_back_as_stored(kv_dtype):
     np.testing.assert_allclose(out, numpy_attention(q, stored, context_lens, 3), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim,sliding_window", [(64, None), (32, None), (64, 24)])
-def test_prompt_rows_match_float64(head_dim, sliding_window):
+PROMPT_STEP = [(70, 70), (1, 1), (90, 33), (0, 0), (45, 1), (17, 17)]
+
+
+@pytest.mark.parametrize("head_dim,sliding_window,contexts_and_rows", [
+    (64, None, PROMPT_STEP), (32, None, PROMPT_STEP), (64, 24, PROMPT_STEP), (64, None, [(6000, 40), (3, 1)])])
+def test_prompt_rows_match_float64(head_dim, sliding_window, contexts_and_rows):
     """A flattened step as the engine builds it: a whole prompt of 70 rows (three
     runs of the kernel's 32 positions), a chunk of 33 at the end of a longer
     context, decode rows, a sequence with no rows (padding), then padding rows.
-    Head dim 64 takes the register loops, 32 the general one."""
-    rng = np.random.default_rng(head_dim + (sliding_window or 0))
+    Head dim 64 takes the register loops, 32 the general one. A chunk of 40
+    rows over 6,000 keys is cut into runs of 29 and 11 (the scores buffer's
+    bound, kScoreFloats)."""
+    rng = np.random.default_rng(head_dim + (sliding_window or 0) + len(contexts_and_rows))
     block_size, num_kv_heads, group, num_layers, layer = 16, 2, 3, 2, 1
-    contexts_and_rows = [(70, 70), (1, 1), (90, 33), (0, 0), (45, 1), (17, 17)]
     blocks = [-(-c // block_size) for c, _ in contexts_and_rows]
     num_blocks = 1 + sum(blocks) + 2
     k_pool, v_pool = (np.full((num_layers, num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)

@@ -431,10 +431,14 @@ void AttendTask(const Problem& p, const Rows& task) {
   }
 }
 
-// Query positions per task: a prompt's rows are cut into runs of this many,
-// each its own task (the scores buffer holds a run's rows x keys; the keys
-// come from L2 for every run after the first).
+// Query positions per task: a prompt's rows are cut into runs of up to this
+// many, each its own task (the keys come from L2 for every run after the
+// first), and fewer where a run's scores (its rows x query heads x keys)
+// would pass kScoreFloats: the buffer is kept per thread, and a long context
+// of a large model (32 query heads, 8,192 keys) would otherwise hold 34 MB
+// per thread.
 constexpr int64_t kTaskPositions = 32;
+constexpr int64_t kScoreFloats = int64_t{1} << 20;
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool,
                               ffi::AnyBuffer v_pool, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
@@ -489,8 +493,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
   std::vector<Rows> tasks;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = p.query_start[s + 1] - p.query_start[s];
-    for (int64_t begin = 0; begin < q_len; begin += kTaskPositions) {
-      tasks.push_back({s, begin, std::min(q_len, begin + kTaskPositions), 0, p.num_kv_heads});
+    const int64_t positions = std::clamp<int64_t>(
+        kScoreFloats / (p.num_heads * std::max<int64_t>(1, p.context_lens[s])), 1, kTaskPositions);
+    for (int64_t begin = 0; begin < q_len; begin += positions) {
+      tasks.push_back({s, begin, std::min(q_len, begin + positions), 0, p.num_kv_heads});
     }
   }
   // One task per run of rows and KV head, unless there are runs enough to
