@@ -183,7 +183,7 @@ inline void ForEachKey(const Problem& p, const RowReader& reader, int64_t seq, i
 // for a block of tokens and kRows query rows of one KV head: the rows' queries
 // (ScoreRows) or output sums (AccumulateRows) stay in registers across the
 // block's tokens, and each key or value row is loaded once for all of them.
-// The loops over single keys (AttendSequence's general path) reloaded the
+// The loops over single keys (AttendRows' general path) reloaded the
 // query for every dot and loaded and stored the sums for every value: the
 // default model's shapes (3 KV heads of 3 query heads, head dim 64) over 140
 // tokens x 30 layers, 32 / 8 / 1 sequences, took 15.8 / 4.3 / 0.44 ms there
@@ -483,9 +483,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
   }
   // Sequences' rows must be contiguous, in order, inside q; rows after the
   // last sequence's are padding and get zeros.
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    if (p.query_start[s] < 0 || p.query_start[s + 1] < p.query_start[s] || p.query_start[num_seqs] > num_tokens) {
-      return ffi::Error::InvalidArgument("paged attention: query_start must rise from 0 to at most q's rows");
+  for (int64_t s = 0; s <= num_seqs; ++s) {
+    if (p.query_start[s] < 0 || p.query_start[s] > num_tokens || (s > 0 && p.query_start[s] < p.query_start[s - 1])) {
+      return ffi::Error::InvalidArgument("paged attention: query_start must not fall and must stay within q's rows");
     }
   }
   const int64_t padding_row = num_seqs > 0 ? p.query_start[num_seqs] : 0;

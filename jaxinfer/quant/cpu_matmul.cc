@@ -178,8 +178,9 @@ void MatmulChunk(const Problem& p, int64_t chunk) {
 constexpr int64_t kTileColumns = 64;
 constexpr int64_t kTileRows = 6;
 // Rows per task at most: a group's codes are turned into floats once per task,
-// for all its row tiles. Rows are split into equal tasks (32 rows: one task,
-// 64: two of 32), so no task is left with a short tail.
+// for all its row tiles. Rows are split into equal tasks (64 rows: two of 32,
+// not 36 + 28), more of them where that makes the tasks a multiple of the
+// cores (QuantizedMatmulImpl).
 constexpr int64_t kMaxTaskRows = 36;
 
 // A group's codes as floats (GroupCodes), per thread and kept across calls:
@@ -268,8 +269,9 @@ void PrefetchGroup(const Problem& p, int64_t g, int64_t col) {
 // 95 unrolled; the tiles of 5 rows (a 35-row task) were still called out of
 // line, 92 -> 94 GFLOP/s inlined (BENCHMARKS.md, stop 29).
 template <int kRows, int kVectors>
-__attribute__((always_inline)) inline void FoldGroup(const Problem& p, const __m512 (&acc)[kRows][kVectors], int64_t g, int64_t col, int64_t row0,
-               const float* x_sums, float* result) {
+__attribute__((always_inline)) inline void FoldGroup(const Problem& p, const __m512 (&acc)[kRows][kVectors],
+                                                     int64_t g, int64_t col, int64_t row0, const float* x_sums,
+                                                     float* result) {
   const int64_t num_groups = p.in / p.group;
 #pragma GCC unroll 16
   for (int k = 0; k < kVectors; ++k) {
