@@ -14,6 +14,11 @@
 
 namespace jaxinfer {
 
+// Threads that run a ParallelFor's tasks: the calling thread and one helper
+// fewer than the pool has threads (see ParallelFor). Kernels size their task
+// splits by it.
+inline int64_t NumWorkers(xla::ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads()); }
+
 // Runs task(i) for i in [0, num_tasks) and returns when every one has
 // finished. The calling thread works too, with helpers scheduled on XLA's
 // intra-op pool, all taking the next task from an atomic counter.
@@ -43,7 +48,7 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t num_tasks, Task task) {
     }
   };
   auto shared = std::make_shared<Shared>(std::move(task), num_tasks);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, num_tasks - 1);
+  const int64_t helpers = std::min<int64_t>(NumWorkers(pool) - 1, num_tasks - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Drain(); });
   shared->Drain();
   while (shared->done.load(std::memory_order_acquire) < num_tasks) std::this_thread::yield();

@@ -501,8 +501,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
   }
   // One task per run of rows and KV head, unless there are runs enough to
   // share out whole (batched decode: each sequence's heads read its blocks once).
-  const int64_t num_threads = std::max<int64_t>(1, thread_pool.num_threads());
-  if (static_cast<int64_t>(tasks.size()) < 4 * num_threads) {
+  if (static_cast<int64_t>(tasks.size()) < 4 * jaxinfer::NumWorkers(thread_pool)) {
     std::vector<Rows> per_head;
     for (const Rows& t : tasks)
       for (int64_t h = 0; h < p.num_kv_heads; ++h) per_head.push_back({t.seq, t.begin, t.end, h, h + 1});

@@ -521,7 +521,7 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32
       return ffi::Error::Success();
     }
     const int64_t column_tiles = p.out_features / kTileColumns;
-    const int64_t workers = std::max<int64_t>(1, thread_pool.num_threads());
+    const int64_t workers = jaxinfer::NumWorkers(thread_pool);
     int64_t row_tasks = (p.rows + kMaxTaskRows - 1) / kMaxTaskRows;
     // Equal tasks in a multiple of the workers, where the rows allow: 9 column
     // tiles (576 outputs) in 9 tasks kept one of two cores idle for a ninth
