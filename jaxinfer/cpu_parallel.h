@@ -19,9 +19,44 @@ namespace jaxinfer {
 // splits by it.
 inline int64_t NumWorkers(xla::ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads()); }
 
+// One worker's share of a ParallelFor's tasks, [front, back): its owner
+// takes tasks from the front, thieves from the back. Both ends in one word,
+// changed by compare-and-swap, so a task is taken exactly once.
+class alignas(64) Share {
+ public:
+  void Set(int64_t begin, int64_t end) { ends_.store(Pack(begin, end), std::memory_order_relaxed); }
+
+  // The next task from the front (owner) or the back (thief); -1 when empty.
+  int64_t Take(bool from_front) {
+    uint64_t ends = ends_.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<uint32_t>(ends), back = static_cast<int64_t>(ends >> 32);
+      if (front >= back) return -1;
+      const uint64_t taken = from_front ? Pack(front + 1, back) : Pack(front, back - 1);
+      if (ends_.compare_exchange_weak(ends, taken, std::memory_order_acq_rel)) return from_front ? front : back - 1;
+    }
+  }
+
+ private:
+  static uint64_t Pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
+  }
+  std::atomic<uint64_t> ends_{0};
+};
+
 // Runs task(i) for i in [0, num_tasks) and returns when every one has
 // finished. The calling thread works too, with helpers scheduled on XLA's
-// intra-op pool, all taking the next task from an atomic counter.
+// intra-op pool.
+//
+// Each worker owns a contiguous share of the tasks and runs it in order, then
+// takes what is left of the other shares from their ends. Kernels number
+// their tasks in the order of the memory they read, so each core streams one
+// run of memory: tasks dealt out one by one from a shared counter went to the
+// two cores alternately, and a core that reads every other 18 KB block
+// streamed at 24-26 GB/s where one reading contiguous halves streamed at
+// 33-49 (the dev VM, /tmp microbenchmark of the default model's 64-column
+// tiles, BENCHMARKS.md, stop 30). A late helper's share is taken from its end
+// by the workers already running, so no call waits for a helper to wake.
 //
 // One helper fewer than the pool has threads: the calls are short (tens of
 // microseconds) and many, and a third runnable thread on the dev VM's two
@@ -33,23 +68,35 @@ inline int64_t NumWorkers(xla::ffi::ThreadPool& pool) { return std::max<int64_t>
 template <typename Task>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t num_tasks, Task task) {
   struct Shared {
-    Shared(Task task, int64_t num_tasks) : task(std::move(task)), num_tasks(num_tasks) {}
+    Shared(Task task, int64_t num_tasks, int64_t workers)
+        : task(std::move(task)), num_tasks(num_tasks), workers(workers), shares(new Share[workers]) {
+      for (int64_t w = 0; w < workers; ++w) shares[w].Set(num_tasks * w / workers, num_tasks * (w + 1) / workers);
+    }
 
     Task task;
-    int64_t num_tasks;
-    std::atomic<int64_t> next{0};
+    int64_t num_tasks, workers;
+    std::unique_ptr<Share[]> shares;
+    std::atomic<int64_t> next_share{0};
     std::atomic<int64_t> done{0};
 
+    void Run(int64_t i) {
+      task(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+
     void Drain() {
-      for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
-        task(i);
-        done.fetch_add(1, std::memory_order_release);
+      const int64_t own = next_share.fetch_add(1);
+      if (own < workers)
+        for (int64_t i = shares[own].Take(true); i >= 0; i = shares[own].Take(true)) Run(i);
+      for (int64_t k = 1; k <= workers; ++k) {
+        Share& other = shares[(own + k) % workers];
+        for (int64_t i = other.Take(false); i >= 0; i = other.Take(false)) Run(i);
       }
     }
   };
-  auto shared = std::make_shared<Shared>(std::move(task), num_tasks);
-  const int64_t helpers = std::min<int64_t>(NumWorkers(pool) - 1, num_tasks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared] { shared->Drain(); });
+  const int64_t workers = std::min<int64_t>(NumWorkers(pool), num_tasks);
+  auto shared = std::make_shared<Shared>(std::move(task), num_tasks, workers);
+  for (int64_t i = 1; i < workers; ++i) pool.Schedule([shared] { shared->Drain(); });
   shared->Drain();
   while (shared->done.load(std::memory_order_acquire) < num_tasks) std::this_thread::yield();
 }
