@@ -14,7 +14,7 @@ import pytest
 
 from jaxinfer.models.llama import forward
 from jaxinfer.quant import cpu_matmul
-from jaxinfer.quant.linear import linear
+from jaxinfer.quant.linear import linear, linears
 from jaxinfer.quant.tensor import LayerOf, QuantizedTensor, pack_int4
 
 
@@ -102,6 +102,37 @@ def test_tiled_row_does_not_depend_on_the_rows_beside_it():
     alone = np.stack([np.asarray(run(x[r:r + 1], tiled, 1))[0] for r in range(75)])
     for rows in [*range(2, 9), 13, 32, 75]:
         np.testing.assert_array_equal(np.asarray(run(x[:rows], tiled, 1)), alone[:rows])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 23])
+def test_several_weights_in_one_call(rows):
+    """One call for a layer's q, k and v (576, 192 and 192 outputs: 9 and 3
+    tiles, each tile's inputs in two parts on two cores) and a plain weight:
+    each output against float64, and bit for bit the weight's own call."""
+    rng = np.random.default_rng(rows)
+    pairs = [random_stacked_weight(rng, "int4", 2, 576, out, 32, True) for out in (576, 192, 192, 128)]
+    ws = [w.tiled(cpu_matmul.TILE) for w, _ in pairs[:3]] + [pairs[3][0]]
+    x = rng.standard_normal((rows, 576)).astype(np.float32)
+    together = jax.jit(cpu_matmul.quantized_matmuls)(x, ws, jnp.int32(1))
+    alone = jax.jit(cpu_matmul.quantized_matmul)
+    for y, w, (_, value) in zip(together, ws, pairs):
+        assert_matches(np.asarray(y), x.astype(np.float64) @ value[1])
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(alone(x, w, jnp.int32(1))))
+
+
+def test_linears_share_one_call_where_the_kernel_takes_them_all():
+    """linears() makes one kernel call for weights of one group size and
+    offsets alike, and one per weight otherwise, with the same values."""
+    rng = np.random.default_rng(3)
+    a, a_value = random_stacked_weight(rng, "int4", 2, 64, 128, 32, True)
+    b, b_value = random_stacked_weight(rng, "int4", 2, 64, 64, 32, True)
+    c, c_value = random_stacked_weight(rng, "int8", 2, 64, 64, 16, False)
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    for ws, values, calls in (([a, b], [a_value, b_value], 1), ([a, c], [a_value, c_value], 2)):
+        fn = jax.jit(lambda x, ws, i: linears(x, [LayerOf(w, i) for w in ws]))
+        assert fn.lower(x, ws, jnp.int32(1)).as_text().count(f"custom_call @{cpu_matmul.TARGET_NAME}(") == calls
+        for y, value in zip(fn(x, ws, jnp.int32(1)), values):
+            assert_matches(np.asarray(y), np.asarray(x, np.float64) @ value[1])
 
 
 def test_tiled_layout_round_trips_and_reaches_xla_untiled():

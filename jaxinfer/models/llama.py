@@ -41,7 +41,7 @@ from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq
 from jaxinfer.models.lora import lora_delta
 from jaxinfer.quant import cpu_matmul
-from jaxinfer.quant.linear import linear
+from jaxinfer.quant.linear import linear, linears
 from jaxinfer.quant.tensor import LayerOf, QuantizedTensor
 
 
@@ -75,11 +75,16 @@ def adapted_linear(x, p: dict, key: str, lora_slots=None):
     """linear(x, p[key]) plus the LoRA term of each row's adapter when the
     step serves adapters (lora_slots int32 [B, T], buffers in p["lora"]; see
     models/lora.py). Without lora_slots it is exactly linear."""
-    y = linear(x, p[key])
+    return adapted_linears(x, p, (key,), lora_slots)[0]
+
+
+def adapted_linears(x, p: dict, keys, lora_slots=None) -> list:
+    """adapted_linear of each key on the same x: one native kernel call for
+    all of them where it takes them (quant/linear.py, linears)."""
+    ys = linears(x, [p[key] for key in keys])
     if lora_slots is None:
-        return y
-    a, b = p["lora"][key]
-    return y + lora_delta(x, a, b, lora_slots)
+        return ys
+    return [y + lora_delta(x, *p["lora"][key], lora_slots) for y, key in zip(ys, keys)]
 
 
 def decoder_layer(p: dict, config: ModelConfig, x, positions, inv_freq, attention: AttentionFn, kv_cache, layer_index,
@@ -104,14 +109,14 @@ def attention_values(p: dict, config: ModelConfig, h, positions, inv_freq, atten
     c = config
     batch, seq = h.shape[:2]
 
-    def project(w, b, heads):
-        y = adapted_linear(h, p, w, lora_slots)
+    def heads(y, b, num_heads):
         y = y if b not in p else y + p[b]
-        return y.reshape(batch, seq, heads, c.head_dim)
+        return y.reshape(batch, seq, num_heads, c.head_dim)
 
-    q = project("wq", "bq", c.num_heads)
-    k = project("wk", "bk", c.num_kv_heads)
-    v = project("wv", "bv", c.num_kv_heads)
+    q, k, v = adapted_linears(h, p, ("wq", "wk", "wv"), lora_slots)
+    q = heads(q, "bq", c.num_heads)
+    k = heads(k, "bk", c.num_kv_heads)
+    v = heads(v, "bv", c.num_kv_heads)
     if c.qk_norm:
         q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
@@ -123,7 +128,8 @@ def attention_values(p: dict, config: ModelConfig, h, positions, inv_freq, atten
 
 def mlp_hidden(p: dict, h, lora_slots=None):
     """The MLP's activations before w_down: silu(h @ w_gate) * (h @ w_up)."""
-    return jax.nn.silu(adapted_linear(h, p, "w_gate", lora_slots)) * adapted_linear(h, p, "w_up", lora_slots)
+    gate, up = adapted_linears(h, p, ("w_gate", "w_up"), lora_slots)
+    return jax.nn.silu(gate) * up
 
 
 def forward(params: dict, config: ModelConfig, tokens, positions, attention: AttentionFn, kv_cache=None,

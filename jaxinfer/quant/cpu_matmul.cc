@@ -23,16 +23,25 @@
 // Computed per group as scale * (x . q) + offset * sum(x): the same real
 // numbers as the dequantized weight, rounded in another order.
 //
-// Work: the output columns are cut into chunks shared by the calling thread
-// and XLA's intra-op pool (cpu_parallel.h); a chunk streams its columns of
-// each weight row in order, so the weights are read sequentially, once per
-// block of 8 rows (the first from memory, the others from the cache).
+// One call multiplies x by one layer of each of several weights (a layer's
+// q, k and v), their tasks in one parallel loop: the arguments are x, layer,
+// then data, scales and offsets of each weight; the results each weight's out.
+//
+// Work: the output columns are cut into tasks shared by the calling thread
+// and the helper threads (cpu_parallel.h), numbered in the order of the
+// memory they read; a task streams its columns of each weight row in order.
+// Plain weights at up to 8 rows (MatmulChunk) read each chunk once per
+// block of 8 rows (the first from memory, the others from the cache); tiled
+// weights keep partial sums in registers (FewRows, ManyRows) and may cut
+// each tile's inputs into parts (InputParts) to keep every core busy.
 #if defined(__AVX512F__)
 #include <immintrin.h>  // only the AVX-512 paths; the rest builds on any CPU
 #endif
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -388,13 +397,14 @@ void FewRowsGroup(const Problem& p, int64_t g, int64_t col, int64_t row0, const 
   FoldGroup<kRows, kVectors>(p, acc, g, col, row0, x_sums, result);
 }
 
-// Every row (at most kRowBlock) x the 16 * kVectors columns at col, every group.
+// Every row (at most kRowBlock) x the 16 * kVectors columns at col, groups
+// [g_begin, g_end), written to out [rows, out_features].
 template <int kVectors>
-void FewRowsTask(const Problem& p, int64_t col, const float* x_sums) {
+void FewRowsTask(const Problem& p, int64_t col, int64_t g_begin, int64_t g_end, const float* x_sums, float* out) {
   constexpr int64_t kWidth = 16 * kVectors;
   alignas(64) float result[kRowBlock * kWidth];
   std::fill_n(result, p.rows * kWidth, 0.0f);
-  for (int64_t g = 0; g < p.in / p.group; ++g) {
+  for (int64_t g = g_begin; g < g_end; ++g) {
     if (g + 1 < p.in / p.group)
       for (int64_t c = 0; c < kWidth; c += kTileColumns) PrefetchGroup(p, g + 1, col + c);
     // Only the row counts FewRows gives each width are compiled (each
@@ -429,54 +439,135 @@ void FewRowsTask(const Problem& p, int64_t col, const float* x_sums) {
       }
     }
   }
-  for (int64_t r = 0; r < p.rows; ++r) std::copy_n(result + r * kWidth, kWidth, p.out + r * p.out_features + col);
+  for (int64_t r = 0; r < p.rows; ++r) std::copy_n(result + r * kWidth, kWidth, out + r * p.out_features + col);
 }
 
-// A tiled weight at up to kRowBlock rows, in tasks as wide as the row count
-// needs (where the width divides the columns): 256 columns at 1 row, 128 at
-// 2, else 64.
-void FewRows(ffi::ThreadPool& thread_pool, const Problem& p, const float* x_sums) {
-  auto run = [&](auto vectors) {
-    constexpr int kVectors = decltype(vectors)::value;
-    jaxinfer::ParallelFor(thread_pool, p.out_features / (16 * kVectors), [&p, x_sums](int64_t task) {
-      FewRowsTask<kVectors>(p, task * 16 * kVectors, x_sums);
-    });
-  };
-  if (p.rows == 1 && p.out_features % 256 == 0) return run(std::integral_constant<int, 16>{});
-  if (p.rows <= 2 && p.out_features % 128 == 0) return run(std::integral_constant<int, 8>{});
-  run(std::integral_constant<int, 4>{});
-}
-
-// Rows [row_begin, row_end) x the 64 columns at col, every group.
-void ManyRowsTask(const Problem& p, int64_t col, int64_t row_begin, int64_t row_end, const float* x_sums) {
+// Rows [row_begin, row_end) x the 64 columns at col, every group, in `parts`
+// runs of groups (InputParts): each run's sum starts from zero and is added
+// to the output, as FewRows adds its parts.
+void ManyRowsTask(const Problem& p, int64_t col, int64_t row_begin, int64_t row_end, int64_t parts,
+                  const float* x_sums) {
   float* w = GroupBuffer(p.group);
   alignas(64) float result[kMaxTaskRows * kTileColumns];
-  std::fill_n(result, kMaxTaskRows * kTileColumns, 0.0f);
   float* base = result - row_begin * kTileColumns;  // indexed by absolute row
-  for (int64_t g = 0; g < p.in / p.group; ++g) {
-    if (g + 1 < p.in / p.group) PrefetchGroup(p, g + 1, col);
-    GroupCodes(p, g, col, w);
-    int64_t r = row_begin;
-    for (; r + kTileRows <= row_end; r += kTileRows) TileGroup<kTileRows>(p, w, g, col, r, x_sums, base);
-    switch (row_end - r) {
-      case 1: TileGroup<1>(p, w, g, col, r, x_sums, base); break;
-      case 2: TileGroup<2>(p, w, g, col, r, x_sums, base); break;
-      case 3: TileGroup<3>(p, w, g, col, r, x_sums, base); break;
-      case 4: TileGroup<4>(p, w, g, col, r, x_sums, base); break;
-      case 5: TileGroup<5>(p, w, g, col, r, x_sums, base); break;
-      default: break;
+  const int64_t num_groups = p.in / p.group;
+  for (int64_t part = 0; part < parts; ++part) {
+    std::fill_n(result, kMaxTaskRows * kTileColumns, 0.0f);
+    for (int64_t g = num_groups * part / parts; g < num_groups * (part + 1) / parts; ++g) {
+      if (g + 1 < num_groups) PrefetchGroup(p, g + 1, col);
+      GroupCodes(p, g, col, w);
+      int64_t r = row_begin;
+      for (; r + kTileRows <= row_end; r += kTileRows) TileGroup<kTileRows>(p, w, g, col, r, x_sums, base);
+      switch (row_end - r) {
+        case 1: TileGroup<1>(p, w, g, col, r, x_sums, base); break;
+        case 2: TileGroup<2>(p, w, g, col, r, x_sums, base); break;
+        case 3: TileGroup<3>(p, w, g, col, r, x_sums, base); break;
+        case 4: TileGroup<4>(p, w, g, col, r, x_sums, base); break;
+        case 5: TileGroup<5>(p, w, g, col, r, x_sums, base); break;
+        default: break;
+      }
     }
-  }
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    std::copy_n(base + r * kTileColumns, kTileColumns, p.out + r * p.out_features + col);
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      float* out = p.out + r * p.out_features + col;
+      const float* sum = base + r * kTileColumns;
+      if (part == 0) {
+        std::copy_n(sum, kTileColumns, out);
+      } else {
+        for (int64_t c = 0; c < kTileColumns; ++c) out[c] += sum[c];
+      }
+    }
   }
 }
 #endif
 
-ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
-                               ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets,
-                               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t group_size,
-                               bool has_offsets) {
+// Runs of input groups each 64-column tile's sum is cut into, on every path
+// of tiles, whatever the rows: a weight of few tiles split by columns alone
+// leaves cores idle (the default model's 576 outputs are 9 tiles, 5 on one
+// core and 4 on the other, and its 192-output k and v projections 3). The
+// parts' sums add up in order, so a row's result depends on the weight's
+// shape and the core count only, never on the rows beside it.
+int64_t InputParts(int64_t column_tiles, int64_t num_groups, int64_t workers) {
+  int64_t best = 1;
+  double best_idle = 1e9;
+  for (int64_t parts = 1; parts <= std::min<int64_t>(4, num_groups); ++parts) {
+    const int64_t tasks = column_tiles * parts;
+    const double idle = static_cast<double>((tasks + workers - 1) / workers * workers - tasks) / tasks;
+    if (idle < best_idle - 1e-9) best = parts, best_idle = idle;
+  }
+  return best;
+}
+
+// One weight's product, cut into tasks: run(i) runs task i (any thread),
+// finish() completes the output once every task has run.
+struct Plan {
+  Problem p;
+  std::vector<float> x_sums;    // [rows, groups] where the weight has offsets
+  std::vector<float> partials;  // FewRows: parts 1.. of the output (part 0 is written in place)
+  int64_t num_tasks = 0;
+  std::function<void(int64_t)> run;
+  std::function<void()> finish;
+};
+
+#if defined(__AVX512F__)
+// A tiled weight at up to kRowBlock rows, in tasks as wide as the row count
+// needs (where the width divides the columns): 256 columns at 1 row, 128 at
+// 2, else 64; each width's tasks cut into InputParts runs of groups.
+void PlanFewRows(Plan& plan, int64_t workers) {
+  const Problem& p = plan.p;
+  const int64_t num_groups = p.in / p.group;
+  const int64_t parts = InputParts(p.out_features / kTileColumns, num_groups, workers);
+  if (parts > 1) plan.partials.resize((parts - 1) * p.rows * p.out_features);
+  auto plan_width = [&](auto vectors) {
+    constexpr int kVectors = decltype(vectors)::value;
+    plan.num_tasks = p.out_features / (16 * kVectors) * parts;
+    plan.run = [&plan, parts, num_groups](int64_t task) {
+      const int64_t part = task % parts;
+      float* out = part == 0 ? plan.p.out : plan.partials.data() + (part - 1) * plan.p.rows * plan.p.out_features;
+      FewRowsTask<kVectors>(plan.p, task / parts * 16 * kVectors, num_groups * part / parts,
+                            num_groups * (part + 1) / parts, plan.x_sums.data(), out);
+    };
+  };
+  if (p.rows == 1 && p.out_features % 256 == 0) {
+    plan_width(std::integral_constant<int, 16>{});
+  } else if (p.rows <= 2 && p.out_features % 128 == 0) {
+    plan_width(std::integral_constant<int, 8>{});
+  } else {
+    plan_width(std::integral_constant<int, 4>{});
+  }
+  if (parts > 1) {
+    plan.finish = [&plan] {
+      const int64_t size = plan.p.rows * plan.p.out_features;
+      for (int64_t at = 0; at < static_cast<int64_t>(plan.partials.size()); at += size)
+        for (int64_t i = 0; i < size; ++i) plan.p.out[i] += plan.partials[at + i];
+    };
+  }
+}
+
+// Past kRowBlock rows: tiles of 64 columns x equal runs of at most
+// kMaxTaskRows rows.
+void PlanManyRows(Plan& plan, int64_t workers) {
+  const Problem& p = plan.p;
+  const int64_t column_tiles = p.out_features / kTileColumns;
+  const int64_t parts = InputParts(column_tiles, p.in / p.group, workers);
+  int64_t row_tasks = (p.rows + kMaxTaskRows - 1) / kMaxTaskRows;
+  // Equal tasks in a multiple of the workers, where the rows allow: 9 column
+  // tiles (576 outputs) in 9 tasks kept one of two cores idle for a ninth
+  // of the call.
+  while (column_tiles * row_tasks % workers != 0 && row_tasks * kTileRows < p.rows) ++row_tasks;
+  const int64_t task_rows = (p.rows + row_tasks - 1) / row_tasks;
+  plan.num_tasks = row_tasks * column_tiles;
+  plan.run = [&plan, row_tasks, task_rows, parts](int64_t task) {
+    const int64_t row_begin = (task % row_tasks) * task_rows;
+    ManyRowsTask(plan.p, (task / row_tasks) * kTileColumns, row_begin,
+                 std::min(plan.p.rows, row_begin + task_rows), parts, plan.x_sums.data());
+  };
+}
+#endif
+
+// Checks one weight's buffers against x and describes its product in *problem.
+ffi::Error Describe(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& data, const ffi::Buffer<ffi::F32>& scales,
+                    const ffi::Buffer<ffi::F32>& offsets, int64_t layer, float* out, int64_t group_size,
+                    bool has_offsets, Problem* problem) {
   const auto x_dims = x.dimensions();
   const auto data_dims = data.dimensions();
   if (x_dims.size() != 2 || (data_dims.size() != 3 && data_dims.size() != 4)) {
@@ -495,12 +586,12 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32
   p.data = data.untyped_data();
   p.scales = scales.typed_data();
   p.offsets = has_offsets ? offsets.typed_data() : nullptr;
-  p.out = out->typed_data();
+  p.out = out;
   p.rows = x_dims[0];
   p.in = x_dims[1];
   p.out_features = tiled ? data_dims[1] * data_dims[3] : data_dims[2];
   p.group = group_size;
-  p.layer = layer.typed_data()[0];
+  p.layer = layer;
   if (p.layer < 0 || p.layer >= data_dims[0]) {
     return ffi::Error::InvalidArgument("quantized matmul: layer index outside the stacked weights");
   }
@@ -512,48 +603,74 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32
   if (tiled && p.tile != kTileColumns) {
     return ffi::Error::InvalidArgument("quantized matmul: tiles must be 64 columns wide");
   }
-  // The register paths: a tiled weight at any row count, a plain one past kRowBlock rows.
-  if (tiled || (p.rows > kRowBlock && p.out_features % kTileColumns == 0)) {
-    std::vector<float> x_sums;
-    if (p.offsets) x_sums = GroupSums(p);
-    if (p.rows <= kRowBlock) {
-      FewRows(thread_pool, p, x_sums.data());
-      return ffi::Error::Success();
-    }
-    const int64_t column_tiles = p.out_features / kTileColumns;
-    const int64_t workers = jaxinfer::NumWorkers(thread_pool);
-    int64_t row_tasks = (p.rows + kMaxTaskRows - 1) / kMaxTaskRows;
-    // Equal tasks in a multiple of the workers, where the rows allow: 9 column
-    // tiles (576 outputs) in 9 tasks kept one of two cores idle for a ninth
-    // of the call.
-    while (column_tiles * row_tasks % workers != 0 && row_tasks * kTileRows < p.rows) ++row_tasks;
-    const int64_t task_rows = (p.rows + row_tasks - 1) / row_tasks;
-    jaxinfer::ParallelFor(thread_pool, row_tasks * column_tiles,
-                          [&p, &x_sums, row_tasks, task_rows](int64_t task) {
-                            const int64_t row_begin = (task % row_tasks) * task_rows;
-                            ManyRowsTask(p, (task / row_tasks) * kTileColumns, row_begin,
-                                         std::min(p.rows, row_begin + task_rows), x_sums.data());
-                          });
-    return ffi::Error::Success();
-  }
 #else
   if (tiled) return ffi::Error::InvalidArgument("quantized matmul: tiled weights need an AVX-512 build");
 #endif
-  jaxinfer::ParallelFor(thread_pool, (p.out_features + kChunk - 1) / kChunk,
-                        [&p](int64_t chunk) { MatmulChunk(p, chunk); });
+  *problem = p;
+  return ffi::Error::Success();
+}
+
+// Chooses the path and the tasks of a described product.
+void PlanProduct(Plan& plan, int64_t workers) {
+  const Problem& p = plan.p;
+#if defined(__AVX512F__)
+  // The register paths: a tiled weight at any row count, a plain one past kRowBlock rows.
+  if (p.tile || (p.rows > kRowBlock && p.out_features % kTileColumns == 0)) {
+    if (p.offsets) plan.x_sums = GroupSums(p);
+    return p.rows <= kRowBlock ? PlanFewRows(plan, workers) : PlanManyRows(plan, workers);
+  }
+#endif
+  plan.num_tasks = (p.out_features + kChunk - 1) / kChunk;
+  plan.run = [&plan](int64_t chunk) { MatmulChunk(plan.p, chunk); };
+}
+
+// x times each of several weights (one layer of each), in one parallel
+// loop: the weights' tasks one after another, in the order of their memory.
+// A layer's q, k and v projections (and gate and up) are one call, not
+// three (two): fewer calls, and the cores share out all their tasks at once.
+ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                                ffi::RemainingArgs weights, ffi::RemainingRets outs, int64_t group_size,
+                                bool has_offsets) {
+  const int64_t count = static_cast<int64_t>(outs.size());
+  if (count == 0 || static_cast<int64_t>(weights.size()) != 3 * count) {
+    return ffi::Error::InvalidArgument("quantized matmul: give (data, scales, offsets) for each output");
+  }
+  const int64_t workers = jaxinfer::NumWorkers(thread_pool);
+  std::vector<std::unique_ptr<Plan>> plans;  // pointers: the tasks refer to their plan
+  std::vector<int64_t> first_task{0};
+  for (int64_t j = 0; j < count; ++j) {
+    auto data = weights.get<ffi::AnyBuffer>(3 * j);
+    auto scales = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 1);
+    auto offsets = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 2);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(j);
+    if (data.has_error()) return data.error();
+    if (scales.has_error()) return scales.error();
+    if (offsets.has_error()) return offsets.error();
+    if (out.has_error()) return out.error();
+    plans.push_back(std::make_unique<Plan>());
+    ffi::Error error = Describe(x, data.value(), scales.value(), offsets.value(), layer.typed_data()[0],
+                                out.value()->typed_data(), group_size, has_offsets, &plans.back()->p);
+    if (error.failure()) return error;
+    PlanProduct(*plans.back(), workers);
+    first_task.push_back(first_task.back() + plans.back()->num_tasks);
+  }
+  jaxinfer::ParallelFor(thread_pool, first_task.back(), [&plans, &first_task](int64_t task) {
+    const int64_t j = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+    plans[j]->run(task - first_task[j]);
+  });
+  for (auto& plan : plans)
+    if (plan->finish) plan->finish();
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantizedMatmul, QuantizedMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantizedMatmuls, QuantizedMatmulsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::AnyBuffer>()         // data
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scales
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // offsets
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .RemainingArgs()               // data, scales, offsets of each weight
+                                  .RemainingRets()               // each weight's out
                                   .Attr<int64_t>("group_size")
                                   .Attr<bool>("has_offsets"));

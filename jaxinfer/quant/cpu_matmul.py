@@ -3,7 +3,8 @@ built with the machine's C++ compiler on first use (jaxinfer/utils.py,
 native_library):
 
   cpu_matmul.cc     float32 activations, up to max_rows() rows: the weight's
-                    exact value
+                    exact value; one call may take several weights of one
+                    layer (a layer's q, k and v: quantized_matmuls)
   cpu_q8_matmul.cc  activations quantized to int8 blocks on the fly (weights
                     with activation_block, quant/tensor.py), any number of
                     rows: int8 dots (AVX512-VNNI; without it the build fails
@@ -55,7 +56,7 @@ TILE = 64
 
 def available() -> bool:
     """Whether the kernel is built and registered with XLA (built on first call)."""
-    return native_ffi_target(str(SOURCE), "JaxinferQuantizedMatmul", TARGET_NAME)
+    return native_ffi_target(str(SOURCE), "JaxinferQuantizedMatmuls", TARGET_NAME)
 
 
 def max_rows() -> int:
@@ -69,6 +70,14 @@ def supports(rows: int, w: QuantizedTensor) -> bool:
     return (jax.default_backend() == "cpu" and 1 <= rows <= max_rows() and w.scheme in ("int8", "int4")
             and w.scales.dtype == jnp.float32 and _layout_ok(w) and (not w.tile or cpu_has("avx512f"))
             and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
+
+
+def supports_together(rows: int, ws: list[QuantizedTensor]) -> bool:
+    """Whether one kernel call serves x [rows, in] @ each of ws (one layer
+    each): every weight supported, with one group size and offsets on all or
+    none (the call's attributes)."""
+    return (all(supports(rows, w) for w in ws) and len({w.group_size for w in ws}) == 1
+            and len({w.offsets is None for w in ws}) == 1)
 
 
 def q8_available() -> bool:
@@ -103,9 +112,25 @@ def _layout_ok(w: QuantizedTensor) -> bool:
 def quantized_matmul(x, w: QuantizedTensor, layer_index=0) -> jax.Array:
     """x [rows, in] @ layer `layer_index` of w -> float32 [rows, out]; w is
     [in, out] or stacked [layers, in, out] (read in place either way)."""
+    return quantized_matmuls(x, [w], layer_index)[0]
+
+
+def quantized_matmuls(x, ws: list[QuantizedTensor], layer_index=0) -> list[jax.Array]:
+    """[quantized_matmul(x, w, layer_index) for w in ws] in one kernel call
+    (the same numbers): the cores share out every weight's tasks at once.
+    The weights must share a group size and have offsets all or none
+    (supports_together)."""
     if not available():
         raise RuntimeError("the CPU quantized matmul kernel is not available here (see the warning above)")
-    return _call(TARGET_NAME, x, w, layer_index)
+    if len({w.group_size for w in ws}) != 1 or len({w.offsets is None for w in ws}) != 1:
+        raise ValueError("quantized_matmuls: the weights must share a group size and all or none have offsets")
+    buffers = []
+    for w in ws:
+        data, scales, offsets = _stacked(w)
+        buffers += [data, scales, jnp.zeros((1,), jnp.float32) if offsets is None else offsets]
+    call = jax.ffi.ffi_call(TARGET_NAME, [jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32) for w in ws])
+    return list(call(x.astype(jnp.float32), jnp.asarray(layer_index, jnp.int32), *buffers,
+                     group_size=np.int64(ws[0].group_size), has_offsets=ws[0].offsets is not None))
 
 
 def q8_matmul(x, w: QuantizedTensor, layer_index=0) -> jax.Array:
@@ -113,15 +138,19 @@ def q8_matmul(x, w: QuantizedTensor, layer_index=0) -> jax.Array:
     -> float32 [rows, out], as quantized_matmul."""
     if not q8_available():
         raise RuntimeError("the CPU int8-activation matmul kernel is not available here (see the warning above)")
-    return _call(Q8_TARGET_NAME, x, w, layer_index, block=np.int64(w.activation_block))
-
-
-def _call(target: str, x, w: QuantizedTensor, layer_index, **attributes) -> jax.Array:
-    data, scales, offsets = w.data, w.scales, w.offsets
-    if data.ndim == (3 if w.tile else 2):  # a leading axis of 1 is a free reshape, not a copy
-        data, scales = data[None], scales[None]
-        offsets = None if offsets is None else offsets[None]
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32))
+    data, scales, offsets = _stacked(w)
+    call = jax.ffi.ffi_call(Q8_TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32))
     return call(x.astype(jnp.float32), data, scales, jnp.zeros((1,), scales.dtype) if offsets is None else offsets,
                 jnp.asarray(layer_index, jnp.int32), group_size=np.int64(w.group_size),
-                has_offsets=offsets is not None, **attributes)
+                has_offsets=offsets is not None, block=np.int64(w.activation_block))
+
+
+def _stacked(w: QuantizedTensor):
+    """w's (data, scales, offsets) with a leading layer axis (a leading axis of
+    1 is a free reshape, not a copy)."""
+    data, scales, offsets = w.data, w.scales, w.offsets
+    if data.ndim == (3 if w.tile else 2):
+        data, scales = data[None], scales[None]
+        offsets = None if offsets is None else offsets[None]
+    return data, scales, offsets
+

@@ -37,7 +37,8 @@ per-group dots for bf16 inputs with a float32 result.
 
 CPU decode (up to cpu_matmul.max_rows() rows, int8 / int4 grouped): the native kernel in
 quant/cpu_matmul.py, for weights handed over as LayerOf (one layer of the
-stacked weights, read in place; models/llama.py does so on one device).
+stacked weights, read in place; models/llama.py does so on one device);
+`linears` hands it several weights on the same input (q, k, v) in one call.
 
 Weights with activation_block (the "gguf-a8" load, quant/tensor.py): the
 activations are quantized to int8 blocks first. On CPU, for LayerOf, the
@@ -114,6 +115,20 @@ def linear(x: jax.Array, w) -> jax.Array:
     if y is None:
         y = _xla_linear(x2d, w)
     return y.astype(x.dtype).reshape(*lead, w.out_features)
+
+
+def linears(x: jax.Array, ws: list) -> list[jax.Array]:
+    """[linear(x, w) for w in ws], as one native kernel call where the CPU
+    kernel takes them all together (one layer each of stacked weights, the
+    same layer: a layer's q, k and v, or gate and up;
+    cpu_matmul.supports_together)."""
+    rows = math.prod(x.shape[:-1])
+    if (len(ws) > 1 and all(isinstance(w, LayerOf) and w.index is ws[0].index for w in ws)
+            and not any(w.stacked.activation_block for w in ws)
+            and cpu_matmul.supports_together(rows, [w.stacked for w in ws])):
+        ys = cpu_matmul.quantized_matmuls(x.reshape(rows, -1), [w.stacked for w in ws], ws[0].index)
+        return [y.astype(x.dtype).reshape(*x.shape[:-1], w.stacked.out_features) for y, w in zip(ys, ws)]
+    return [linear(x, w) for w in ws]
 
 
 def _w8a8_linear(x, w: QuantizedTensor) -> jax.Array:
