@@ -40,7 +40,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -497,50 +496,45 @@ int64_t InputParts(int64_t column_tiles, int64_t num_groups, int64_t workers) {
   return best;
 }
 
-// One weight's product, cut into tasks: run(i) runs task i (any thread),
-// finish() completes the output once every task has run.
+// One weight's product, cut into tasks: run(plan, i) runs task i (any
+// thread); Finish() completes the output once every task has run. (Plain
+// function pointers, not std::function: each instance adds to the build a
+// machine's first start waits for.)
 struct Plan {
   Problem p;
   std::vector<float> x_sums;    // [rows, groups] where the weight has offsets
   std::vector<float> partials;  // FewRows: parts 1.. of the output (part 0 is written in place)
-  int64_t num_tasks = 0;
-  std::function<void(int64_t)> run;
-  std::function<void()> finish;
+  int64_t num_tasks = 0, parts = 1, row_tasks = 1, task_rows = 0;
+  void (*run)(Plan& plan, int64_t task) = nullptr;
+
+  // Adds the FewRows parts past the first to the output, in order.
+  void Finish() {
+    const int64_t size = p.rows * p.out_features;
+    for (int64_t at = 0; at < static_cast<int64_t>(partials.size()); at += size)
+      for (int64_t i = 0; i < size; ++i) p.out[i] += partials[at + i];
+  }
 };
 
 #if defined(__AVX512F__)
 // A tiled weight at up to kRowBlock rows, in tasks as wide as the row count
 // needs (where the width divides the columns): 256 columns at 1 row, 128 at
 // 2, else 64; each width's tasks cut into InputParts runs of groups.
+template <int kVectors>
+void RunFewRows(Plan& plan, int64_t task) {
+  const Problem& p = plan.p;
+  const int64_t num_groups = p.in / p.group, part = task % plan.parts;
+  float* out = part == 0 ? p.out : plan.partials.data() + (part - 1) * p.rows * p.out_features;
+  FewRowsTask<kVectors>(p, task / plan.parts * 16 * kVectors, num_groups * part / plan.parts,
+                        num_groups * (part + 1) / plan.parts, plan.x_sums.data(), out);
+}
+
 void PlanFewRows(Plan& plan, int64_t workers) {
   const Problem& p = plan.p;
-  const int64_t num_groups = p.in / p.group;
-  const int64_t parts = InputParts(p.out_features / kTileColumns, num_groups, workers);
-  if (parts > 1) plan.partials.resize((parts - 1) * p.rows * p.out_features);
-  auto plan_width = [&](auto vectors) {
-    constexpr int kVectors = decltype(vectors)::value;
-    plan.num_tasks = p.out_features / (16 * kVectors) * parts;
-    plan.run = [&plan, parts, num_groups](int64_t task) {
-      const int64_t part = task % parts;
-      float* out = part == 0 ? plan.p.out : plan.partials.data() + (part - 1) * plan.p.rows * plan.p.out_features;
-      FewRowsTask<kVectors>(plan.p, task / parts * 16 * kVectors, num_groups * part / parts,
-                            num_groups * (part + 1) / parts, plan.x_sums.data(), out);
-    };
-  };
-  if (p.rows == 1 && p.out_features % 256 == 0) {
-    plan_width(std::integral_constant<int, 16>{});
-  } else if (p.rows <= 2 && p.out_features % 128 == 0) {
-    plan_width(std::integral_constant<int, 8>{});
-  } else {
-    plan_width(std::integral_constant<int, 4>{});
-  }
-  if (parts > 1) {
-    plan.finish = [&plan] {
-      const int64_t size = plan.p.rows * plan.p.out_features;
-      for (int64_t at = 0; at < static_cast<int64_t>(plan.partials.size()); at += size)
-        for (int64_t i = 0; i < size; ++i) plan.p.out[i] += plan.partials[at + i];
-    };
-  }
+  plan.parts = InputParts(p.out_features / kTileColumns, p.in / p.group, workers);
+  plan.partials.resize((plan.parts - 1) * p.rows * p.out_features);
+  const int64_t width = p.rows == 1 && p.out_features % 256 == 0 ? 256 : p.rows <= 2 && p.out_features % 128 == 0 ? 128 : 64;
+  plan.num_tasks = p.out_features / width * plan.parts;
+  plan.run = width == 256 ? RunFewRows<16> : width == 128 ? RunFewRows<8> : RunFewRows<4>;
 }
 
 // Past kRowBlock rows: tiles of 64 columns x equal runs of at most
@@ -554,12 +548,14 @@ void PlanManyRows(Plan& plan, int64_t workers) {
   // tiles (576 outputs) in 9 tasks kept one of two cores idle for a ninth
   // of the call.
   while (column_tiles * row_tasks % workers != 0 && row_tasks * kTileRows < p.rows) ++row_tasks;
-  const int64_t task_rows = (p.rows + row_tasks - 1) / row_tasks;
+  plan.parts = parts;
+  plan.row_tasks = row_tasks;
+  plan.task_rows = (p.rows + row_tasks - 1) / row_tasks;
   plan.num_tasks = row_tasks * column_tiles;
-  plan.run = [&plan, row_tasks, task_rows, parts](int64_t task) {
-    const int64_t row_begin = (task % row_tasks) * task_rows;
-    ManyRowsTask(plan.p, (task / row_tasks) * kTileColumns, row_begin,
-                 std::min(plan.p.rows, row_begin + task_rows), parts, plan.x_sums.data());
+  plan.run = [](Plan& plan, int64_t task) {
+    const int64_t row_begin = (task % plan.row_tasks) * plan.task_rows;
+    ManyRowsTask(plan.p, (task / plan.row_tasks) * kTileColumns, row_begin,
+                 std::min(plan.p.rows, row_begin + plan.task_rows), plan.parts, plan.x_sums.data());
   };
 }
 #endif
@@ -621,7 +617,7 @@ void PlanProduct(Plan& plan, int64_t workers) {
   }
 #endif
   plan.num_tasks = (p.out_features + kChunk - 1) / kChunk;
-  plan.run = [&plan](int64_t chunk) { MatmulChunk(plan.p, chunk); };
+  plan.run = [](Plan& plan, int64_t chunk) { MatmulChunk(plan.p, chunk); };
 }
 
 // x times each of several weights (one layer of each), in one parallel
@@ -656,10 +652,9 @@ ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F3
   }
   jaxinfer::ParallelFor(thread_pool, first_task.back(), [&plans, &first_task](int64_t task) {
     const int64_t j = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
-    plans[j]->run(task - first_task[j]);
+    plans[j]->run(*plans[j], task - first_task[j]);
   });
-  for (auto& plan : plans)
-    if (plan->finish) plan->finish();
+  for (auto& plan : plans) plan->Finish();
   return ffi::Error::Success();
 }
 
