@@ -4,7 +4,8 @@ Each measurement is its own process importing jaxinfer from a `--config
 LABEL=TREE` source tree (e.g. a `git worktree` of an older commit), so the
 trees never share a process; configurations are interleaved round by round,
 so the VM's drift hits all of them alike. A child loads
-LLM(quantization=Q) on the embedded default model, warms every bucket, and
+LLM(quantization=Q) on the embedded default model, waits for every bucket's
+compilation (a tree's first run compiles in the background), warms them, and
 reports ms per decode step: the best of 2 timings of N greedy steps of B
 different 128-token prompts, minus a 1-step run of the same prompts (so
 prefill does not count). Medians over rounds are printed; every run goes to
@@ -32,6 +33,7 @@ import json, sys, time
 from jaxinfer import LLM, SamplingParams
 q, batch, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 llm = LLM(progress=False, quantization=None if q == "none" else q, max_num_seqs=max(batch, 8))
+llm.wait_compiled()  # a first run of a tree compiles its buckets in the background: not while timing
 prompts = [[1 + (i * 131 + j * 7) % 40000 for j in range(128)] for i in range(batch)]
 
 def run(n):
