@@ -1,6 +1,6 @@
 // How the native CPU kernels (models/cpu_paged_attention.cc,
-// quant/cpu_matmul.cc) spread their tasks over the cores: one rule, stated
-// here once. utils.native_library builds every kernel with this header.
+// quant/cpu_matmul.cc, quant/cpu_q8_matmul.cc) spread their tasks over the
+// cores: one rule, stated here once. utils.native_library builds every kernel with this header.
 #pragma once
 
 #include <algorithm>
@@ -20,8 +20,9 @@ namespace jaxinfer {
 inline int64_t NumWorkers(xla::ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads()); }
 
 // One worker's share of a ParallelFor's tasks, [front, back): its owner
-// takes tasks from the front, thieves from the back. Both ends in one word,
-// changed by compare-and-swap, so a task is taken exactly once.
+// takes tasks from the front, thieves from the back. Both ends in one word
+// (32 bits each: a call has far fewer tasks), changed by compare-and-swap,
+// so a task is taken exactly once.
 class alignas(64) Share {
  public:
   void Set(int64_t begin, int64_t end) { ends_.store(Pack(begin, end), std::memory_order_relaxed); }
