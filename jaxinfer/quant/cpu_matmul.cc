@@ -516,9 +516,8 @@ struct Plan {
 };
 
 #if defined(__AVX512F__)
-// A tiled weight at up to kRowBlock rows, in tasks as wide as the row count
-// needs (where the width divides the columns): 256 columns at 1 row, 128 at
-// 2, else 64; each width's tasks cut into InputParts runs of groups.
+// Task `task` of a FewRows plan: the task / parts-th run of 16 * kVectors
+// columns, its inputs' part task % parts.
 template <int kVectors>
 void RunFewRows(Plan& plan, int64_t task) {
   const Problem& p = plan.p;
@@ -528,11 +527,19 @@ void RunFewRows(Plan& plan, int64_t task) {
                         num_groups * (part + 1) / plan.parts, plan.x_sums.data(), out);
 }
 
+// A tiled weight at up to kRowBlock rows, in tasks as wide as the row count
+// needs (where the width divides the columns): 256 columns at 1 row, 128 at
+// 2, else 64; each width's tasks cut into InputParts runs of groups.
 void PlanFewRows(Plan& plan, int64_t workers) {
   const Problem& p = plan.p;
   plan.parts = InputParts(p.out_features / kTileColumns, p.in / p.group, workers);
   plan.partials.resize((plan.parts - 1) * p.rows * p.out_features);
-  const int64_t width = p.rows == 1 && p.out_features % 256 == 0 ? 256 : p.rows <= 2 && p.out_features % 128 == 0 ? 128 : 64;
+  int64_t width = 64;
+  if (p.rows == 1 && p.out_features % 256 == 0) {
+    width = 256;
+  } else if (p.rows <= 2 && p.out_features % 128 == 0) {
+    width = 128;
+  }
   plan.num_tasks = p.out_features / width * plan.parts;
   plan.run = width == 256 ? RunFewRows<16> : width == 128 ? RunFewRows<8> : RunFewRows<4>;
 }
