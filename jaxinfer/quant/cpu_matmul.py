@@ -76,8 +76,12 @@ def supports_together(rows: int, ws: list[QuantizedTensor]) -> bool:
     """Whether one kernel call serves x [rows, in] @ each of ws (one layer
     each): every weight supported, with one group size and offsets on all or
     none (the call's attributes)."""
-    return (all(supports(rows, w) for w in ws) and len({w.group_size for w in ws}) == 1
-            and len({w.offsets is None for w in ws}) == 1)
+    return all(supports(rows, w) for w in ws) and _share_attributes(ws)
+
+
+def _share_attributes(ws: list[QuantizedTensor]) -> bool:
+    """One group size, and offsets on all or none: one call's attributes."""
+    return len({w.group_size for w in ws}) == 1 and len({w.offsets is None for w in ws}) == 1
 
 
 def q8_available() -> bool:
@@ -122,7 +126,7 @@ def quantized_matmuls(x, ws: list[QuantizedTensor], layer_index=0) -> list[jax.A
     (supports_together)."""
     if not available():
         raise RuntimeError("the CPU quantized matmul kernel is not available here (see the warning above)")
-    if len({w.group_size for w in ws}) != 1 or len({w.offsets is None for w in ws}) != 1:
+    if not _share_attributes(ws):
         raise ValueError("quantized_matmuls: the weights must share a group size and all or none have offsets")
     buffers = []
     for w in ws:
