@@ -9,6 +9,7 @@
 #include <memory>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -45,6 +46,27 @@ class alignas(64) Share {
   std::atomic<uint64_t> ends_{0};
 };
 
+// The first task of worker w's share of num_tasks tasks (ParallelFor's
+// split over min(NumWorkers, num_tasks) workers).
+inline int64_t ShareBegin(int64_t num_tasks, int64_t workers, int64_t w) { return num_tasks * w / workers; }
+
+// Where each of num_tasks tasks sorted longest first should go so that every
+// share of ParallelFor holds every workers-th of them, still longest first:
+// each core starts on a long task, and what a thief takes from a share's end
+// is short. order[k] is the index task k of the sorted list takes. (For
+// kernels whose tasks differ in length more than they gain from reading
+// memory in order, like attention over contexts of different lengths.)
+inline std::vector<int64_t> LongestFirstOrder(int64_t num_tasks, int64_t max_workers) {
+  const int64_t workers = std::min(max_workers, num_tasks);
+  std::vector<int64_t> next(workers), order(num_tasks);
+  for (int64_t w = 0; w < workers; ++w) next[w] = ShareBegin(num_tasks, workers, w);
+  for (int64_t k = 0, w = 0; k < num_tasks; ++k, w = (w + 1) % workers) {
+    while (next[w] == ShareBegin(num_tasks, workers, w + 1)) w = (w + 1) % workers;  // share full
+    order[k] = next[w]++;
+  }
+  return order;
+}
+
 // Runs task(i) for i in [0, num_tasks) and returns when every one has
 // finished. The calling thread works too, with helpers scheduled on XLA's
 // intra-op pool.
@@ -75,7 +97,9 @@ inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t num_tasks, void (*ru
   struct Shared {
     Shared(void (*run)(const void*, int64_t), const void* task, int64_t num_tasks, int64_t workers)
         : run(run), task(task), num_tasks(num_tasks), workers(workers), shares(new Share[workers]) {
-      for (int64_t w = 0; w < workers; ++w) shares[w].Set(num_tasks * w / workers, num_tasks * (w + 1) / workers);
+      for (int64_t w = 0; w < workers; ++w) {
+        shares[w].Set(ShareBegin(num_tasks, workers, w), ShareBegin(num_tasks, workers, w + 1));
+      }
     }
 
     void (*run)(const void*, int64_t);

@@ -507,13 +507,19 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
       for (int64_t h = 0; h < p.num_kv_heads; ++h) per_head.push_back({t.seq, t.begin, t.end, h, h + 1});
     tasks.swap(per_head);
   }
-  // The runs that see the most keys first, so that the last ones to finish are short.
+  // The runs that see the most keys first, so that the last ones to finish
+  // are short: each core's share longest first (LongestFirstOrder).
   std::stable_sort(tasks.begin(), tasks.end(), [&p](const Rows& a, const Rows& b) {
     auto keys = [&p](const Rows& t) {
       return p.context_lens[t.seq] - (p.query_start[t.seq + 1] - p.query_start[t.seq]) + t.end;
     };
     return keys(a) > keys(b);
   });
+  std::vector<Rows> sorted;
+  sorted.swap(tasks);
+  tasks.resize(sorted.size());
+  const std::vector<int64_t> order = jaxinfer::LongestFirstOrder(sorted.size(), jaxinfer::NumWorkers(thread_pool));
+  for (size_t k = 0; k < sorted.size(); ++k) tasks[order[k]] = sorted[k];
   jaxinfer::ParallelFor(thread_pool, static_cast<int64_t>(tasks.size()),
                         [&p, &tasks](int64_t i) { AttendTask(p, tasks[i]); });
   return ffi::Error::Success();
