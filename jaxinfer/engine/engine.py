@@ -49,6 +49,7 @@ from jaxinfer.parallel.mesh import context_parallel_size
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.structured.grammar import GrammarCompiler, GrammarError, grammar_text
 from jaxinfer.structured.matcher import StructuredState
+from jaxinfer.utils import keep_freed_host_memory
 
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class LLMEngine:
         num_blocks = choose_num_blocks(model, config, extra)
         cache = kv_cache.allocate_kv_cache(model.config, num_blocks, config.block_size, model.dtype,
                                            config.kv_cache_dtype, mesh=model.mesh)
+        if jax.default_backend() == "cpu":
+            keep_freed_host_memory()  # the steps' temporaries are host memory there (utils.py says why)
         cp = context_parallel_size(model.mesh)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, cp)
         # The longest context one sequence can hold: the whole pool, every context device's share.
