@@ -252,20 +252,23 @@ def test_default_model_gguf_quantized_matches_float_load(default_float):
     assert greedy(model, prompt, 6) == greedy(default_float, prompt, 6)
 
 
-def test_default_model_one_row_head_reads_the_files_blocks(default_float):
-    """On CPU the tied Q8_0 head is also kept as stored, for the few-row
-    kernel (batch-1 decode): its values are the float table's exactly, and
-    one row's logits through it match the float model's."""
-    from jaxinfer.models.llama import compute_logits
+def test_default_model_head_reads_the_files_blocks(default_float):
+    """On CPU the tied Q8_0 head is also kept as stored, for the exact
+    kernel (decode up to FEW_ROW_HEAD_MAX_ROWS sequences): its values are
+    the float table's exactly, and the logits of one row and of a batch of
+    64 through it match the float model's."""
+    from jaxinfer.models.llama import FEW_ROW_HEAD_MAX_ROWS, compute_logits
 
     model = jaxinfer.load(progress=False)
     head = model.params["few_row_head"]
     assert (head.scheme, head.group_size) == ("int8", 32)
     np.testing.assert_array_equal(np.asarray(dequantize(head)).T, np.asarray(default_float.params["embed"]))
-    hidden = jax.random.normal(jax.random.key(0), (1, 1, model.config.hidden_size), jnp.float32)
-    one_row = jax.jit(compute_logits)
-    assert cpu_matmul.TARGET_NAME in one_row.lower(model.params, hidden).as_text()
-    assert_logits_close(one_row(model.params, hidden), compute_logits(default_float.params, hidden), rtol=1e-4)
+    logits = jax.jit(compute_logits)
+    for rows in (1, 64):
+        assert rows <= FEW_ROW_HEAD_MAX_ROWS
+        hidden = jax.random.normal(jax.random.key(rows), (1, rows, model.config.hidden_size), jnp.float32)
+        assert cpu_matmul.TARGET_NAME in logits.lower(model.params, hidden).as_text()
+        assert_logits_close(logits(model.params, hidden), compute_logits(default_float.params, hidden), rtol=1e-4)
 
 
 @pytest.fixture(scope="module")

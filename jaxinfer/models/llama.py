@@ -189,12 +189,13 @@ def _in_place(head: QuantizedTensor) -> LayerOf:
 
 
 # Rows up to which a tied GGUF head's Q8_0 copy (few_row_head) beats the
-# float table: fewer bytes read. With the copy in the exact kernel's tiles
-# (loading/model.py), 32 rows rather than 8 took the default model's decode
-# step at batch 16 / 32 from 27.7 / 46.7 to 26.4 / 45.1 ms on the 2-core dev
-# VM (BENCHMARKS.md, "Tiled weights"); the head alone at 48 and 64 rows was
-# faster from the float table.
-FEW_ROW_HEAD_MAX_ROWS = 32
+# float table: a quarter of the bytes, and past ~8 rows the exact kernel's
+# register-tiled path. The head alone on the 2-core Zen 4 dev VM (medians of
+# 30 alternated calls, BENCHMARKS.md, stop 31): 32 / 64 / 128 rows 11.0 /
+# 20.6 / 39.7 ms against 15.7 / 23.7 / 44.2 from the float table; 256 rows
+# 79.4 against 75.3. (Stop 26's kernel, before stop 29's faster many-row
+# path, lost from 48 rows and set 32.)
+FEW_ROW_HEAD_MAX_ROWS = 128
 
 
 def compute_logits(params: dict, hidden, native_weights: bool = True):
