@@ -129,29 +129,51 @@ struct Rows {
   int64_t seq, begin, end, head_begin, head_end;
 };
 
-// Asks for one pool block (all its tokens and KV heads) to be brought into
-// L2. Blocks may lie anywhere in the pool, and the hardware prefetcher only
-// follows sequential streams. The first version asked for the next block
-// into L1; asking into L2, two blocks ahead, and for the values' block while
-// the keys are scored took the default model's attention at batch 32 (one
-// thread, 30 layers, 140 tokens of context in scattered blocks, /tmp
-// harness) from 33.7 to 19.7 ms, and in the engine (two cores, the blocks in
-// order) 15.5 -> 10.5 ms together with Exp16 (BENCHMARKS.md, stop 29).
-inline void PrefetchBlock(const Problem& p, const RowReader& reader, int64_t layer_row, int64_t block) {
-  const int64_t block_rows = p.block_size * p.num_kv_heads;
-  const char* first = static_cast<const char*>(reader.pool) + (layer_row + block * block_rows) * reader.row_bytes;
-  for (int64_t b = 0; b < block_rows * reader.row_bytes; b += 64) __builtin_prefetch(first + b, 0, 2);
-}
+// Blocks a pass asks for ahead of the one it reads (see BlockPrefetch).
+constexpr int64_t kPrefetchBlocks = 1;
 
-// Blocks a pass asks for ahead of the one it reads.
-constexpr int64_t kPrefetchBlocks = 2;
+// The pool blocks (all their tokens and KV heads) a pass asks to be brought
+// into L2 while it reads one block: the reader's block kPrefetchBlocks
+// ahead, and a companion's block at the same position (the values', while
+// the keys are scored, so that the values pass finds them in L2). Blocks may
+// lie anywhere in the pool, and the hardware prefetcher only follows
+// sequential streams. The first version asked for the next block into L1;
+// into L2, two ahead, with the values' block while the keys are scored took
+// the default model's attention at batch 32 (one thread, 30 layers, 140
+// tokens of context in scattered blocks, /tmp harness) from 33.7 to 19.7 ms
+// (BENCHMARKS.md, stop 29). Since stop 31 the blocks are asked for in parts,
+// one per KV head of the block's work (Part): all 384 lines of both blocks at
+// once held the core until the memory system had taken them. Spread between
+// the heads' computations, one block ahead instead of two, decode attention
+// of 64 sequences of ~156 tokens (30 layers, two cores, /tmp harness) went
+// from 23.6 to 20.5 ms, of 32 and 8 sequences 12.0 -> 10.4 and 3.2 -> 2.7 ms
+// (two blocks ahead: 21.4 ms at 64; asking for the next task's first block
+// too: no change).
+struct BlockPrefetch {
+  const char* ahead;      // the reader's block kPrefetchBlocks ahead, or null past the end
+  const char* companion;  // or null
+  int64_t bytes;          // of one block
 
-// Calls visit(start, count, first_row) for each block of positions [0, end)
-// of sequence `seq`: positions [start, start + count), whose rows for KV head
-// `kv_head` are first_row + t * num_kv_heads (the heads of a token side by side).
-// Blocks of `reader` are prefetched kPrefetchBlocks ahead, and with a
-// `companion` (the values, while the keys are scored) its block at the same
-// position, so that the values pass finds them in L2.
+  // Slice k of n of both blocks. Always inlined: g++ 12 judged an outlined
+  // Part free of side effects (a prefetch counts as none) and dropped every
+  // call to it.
+  __attribute__((always_inline)) void Part(int64_t k, int64_t n) const {
+    const int64_t lines = bytes / 64, begin = 64 * (lines * k / n), end = 64 * (lines * (k + 1) / n);
+    // One block's lines, then the other's (alternating between the two
+    // blocks line by line measured 4% slower).
+    if (ahead != nullptr)
+      for (int64_t b = begin; b < end; b += 64) __builtin_prefetch(ahead + b, 0, 2);
+    if (companion != nullptr)
+      for (int64_t b = begin; b < end; b += 64) __builtin_prefetch(companion + b, 0, 2);
+  }
+  void All() const { Part(0, 1); }
+};
+
+// Calls visit(start, count, first_row, prefetch) for each block of positions
+// [0, end) of sequence `seq`: positions [start, start + count), whose rows
+// for KV head `kv_head` are first_row + t * num_kv_heads (the heads of a
+// token side by side); the visit asks for `prefetch` (BlockPrefetch) while it
+// works, whole or in parts. The reader's first blocks are asked for here.
 template <typename Visit>
 inline void ForEachBlock(const Problem& p, const RowReader& reader, int64_t seq, int64_t kv_head, int64_t end,
                          Visit visit, const RowReader* companion = nullptr) {
@@ -159,12 +181,18 @@ inline void ForEachBlock(const Problem& p, const RowReader& reader, int64_t seq,
   const int64_t block_rows = p.block_size * p.num_kv_heads;
   const int64_t layer_row = p.layer * p.num_blocks * block_rows;
   const int64_t num_blocks = (end + p.block_size - 1) / p.block_size;
-  for (int64_t j = 1; j < std::min(kPrefetchBlocks, num_blocks); ++j) PrefetchBlock(p, reader, layer_row, table[j]);
+  auto block_bytes = [&](const RowReader& r, int64_t block) {
+    return static_cast<const char*>(r.pool) + (layer_row + block * block_rows) * r.row_bytes;
+  };
+  const int64_t bytes = block_rows * reader.row_bytes;
+  for (int64_t j = 1; j < std::min(kPrefetchBlocks, num_blocks); ++j)
+    BlockPrefetch{block_bytes(reader, table[j]), nullptr, bytes}.All();
   for (int64_t j = 0; j < num_blocks; ++j) {
-    if (j + kPrefetchBlocks < num_blocks) PrefetchBlock(p, reader, layer_row, table[j + kPrefetchBlocks]);
-    if (companion != nullptr) PrefetchBlock(p, *companion, layer_row, table[j]);
+    const BlockPrefetch prefetch{j + kPrefetchBlocks < num_blocks ? block_bytes(reader, table[j + kPrefetchBlocks])
+                                                                  : nullptr,
+                                 companion != nullptr ? block_bytes(*companion, table[j]) : nullptr, bytes};
     const int64_t start = j * p.block_size;
-    visit(start, std::min(p.block_size, end - start), layer_row + table[j] * block_rows + kv_head);
+    visit(start, std::min(p.block_size, end - start), layer_row + table[j] * block_rows + kv_head, prefetch);
   }
 }
 
@@ -173,7 +201,9 @@ inline void ForEachBlock(const Problem& p, const RowReader& reader, int64_t seq,
 template <typename Visit>
 inline void ForEachKey(const Problem& p, const RowReader& reader, int64_t seq, int64_t kv_head, int64_t end,
                        Visit visit, const RowReader* companion = nullptr) {
-  ForEachBlock(p, reader, seq, kv_head, end, [&](int64_t start, int64_t count, int64_t first_row) {
+  ForEachBlock(p, reader, seq, kv_head, end, [&](int64_t start, int64_t count, int64_t first_row,
+                                                 const BlockPrefetch& prefetch) {
+    prefetch.All();
     for (int64_t t = 0; t < count; ++t) visit(start + t, first_row + t * p.num_kv_heads);
   }, companion);
 }
@@ -258,8 +288,10 @@ bool FloatPoolPass(const Problem& p, int64_t seq, int64_t head_begin, int64_t nu
     if (reader.dtype != ffi::DataType::F32) return false;
     const float* pool = static_cast<const float*>(reader.pool);
     const int64_t stride = p.num_kv_heads * kHeadDim;  // one token to the next, same head
-    ForEachBlock(p, reader, seq, head_begin, num_keys, [&](int64_t start, int64_t count, int64_t first_row) {
+    ForEachBlock(p, reader, seq, head_begin, num_keys, [&](int64_t start, int64_t count, int64_t first_row,
+                                                           const BlockPrefetch& prefetch) {
       for (int64_t h = 0; h < num_heads; ++h) {
+        prefetch.Part(h, num_heads);
         const float* pool_rows = pool + (first_row + h) * kHeadDim;
         ForEachRowRun<kHeadDim>(h * rows_per_head, (h + 1) * rows_per_head, [&](auto run, int64_t row) {
           constexpr int kRows = decltype(run)::value;
