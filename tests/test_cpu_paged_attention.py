@@ -122,6 +122,53 @@ def test_low_precision_pools_read_back_as_stored(kv_dtype):
     np.testing.assert_allclose(out, numpy_attention(q, stored, context_lens, 3), atol=2e-5, rtol=1e-5)
 
 
+def long_case(rng, context_lens, rows, num_kv_heads=2, group=3, head_dim=64, block_size=16):
+    """Sequences of the given contexts in scattered blocks of a one-layer,
+    NaN-filled pool (null block 0 included), their dense K/V, and R query
+    rows each: make_case's shapes, for contexts of many blocks."""
+    blocks = [-(-c // block_size) for c in context_lens]
+    pools = [np.full((1, 1 + sum(blocks), block_size, num_kv_heads, head_dim), np.nan, np.float32) for _ in range(2)]
+    free = list(rng.permutation(np.arange(1, 1 + sum(blocks))))
+    tables = np.zeros((len(context_lens), max(blocks)), np.int32)
+    dense = []
+    for s, context in enumerate(context_lens):
+        kv = [rng.standard_normal((context, num_kv_heads, head_dim)).astype(np.float32) for _ in range(2)]
+        for b in range(blocks[s]):
+            tables[s, b] = free.pop()
+            n = min(block_size, context - b * block_size)
+            for pool, x in zip(pools, kv):
+                pool[0, tables[s, b], :n] = x[b * block_size:][:n]
+        dense.append(tuple(kv))
+    q = rng.standard_normal((len(context_lens), rows, num_kv_heads * group, head_dim)).astype(np.float32)
+    return q, *pools, tables, np.array(context_lens, np.int32), dense
+
+
+@pytest.mark.parametrize("rows,sliding_window", [(1, None), (3, None), (1, 300)])
+def test_long_context_at_few_sequences_matches_float64(rows, sliding_window):
+    """Decode and verification at two sequences of 715 and 300 tokens: too
+    few runs of rows for the cores, so each sequence's keys are cut into
+    chunks of 16 blocks computed by tasks of their own and merged (a window
+    of 300 hides whole chunks)."""
+    rng = np.random.default_rng(rows + (sliding_window or 0))
+    q, k_pool, v_pool, tables, context_lens, dense = long_case(rng, [715, 300], rows)
+    out = run_kernel(q, jnp.asarray(k_pool), jnp.asarray(v_pool), tables, context_lens, 0, sliding_window)
+    np.testing.assert_allclose(out, numpy_attention(q, dense, context_lens, 3, sliding_window), atol=2e-5, rtol=1e-5)
+
+
+def test_a_rows_output_does_not_depend_on_its_batch():
+    """The same decode row, bit for bit, whether its sequence is the only one
+    (its 40 blocks shared out over tasks chunk by chunk, then by KV head) or
+    one of 16 (a task each): the exact default promises that another batch
+    never changes a greedy decode."""
+    rng = np.random.default_rng(5)
+    q, k_pool, v_pool, tables, context_lens, _ = long_case(rng, [640 - s for s in range(16)], 1)
+    k_pool, v_pool = jnp.asarray(k_pool), jnp.asarray(v_pool)
+    batch = run_kernel(q, k_pool, v_pool, tables, context_lens, 0)
+    for s in (0, 7):
+        alone = run_kernel(q[s:s + 1], k_pool, v_pool, tables[s:s + 1], context_lens[s:s + 1], 0)
+        np.testing.assert_array_equal(alone[0], batch[s])
+
+
 PROMPT_STEP = [(70, 70), (1, 1), (90, 33), (0, 0), (45, 1), (17, 17)]
 
 
