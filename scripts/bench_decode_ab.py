@@ -7,16 +7,16 @@ so the VM's drift hits all of them alike. A child loads
 LLM(quantization=Q) on the embedded default model, waits for every bucket's
 compilation (a tree's first run compiles in the background), warms them, and
 reports ms per decode step: the best of 2 timings of N greedy steps of B
-different 128-token prompts, minus a 1-step run of the same prompts (so
-prefill does not count). Medians over rounds are printed; every run goes to
-JSON.
+different P-token prompts (128 unless given), minus a 1-step run of the
+same prompts (so prefill does not count). Medians over rounds are printed;
+every run goes to JSON.
 
     python scripts/bench_decode_ab.py --config "before=/tmp/before" --config "after=." \\
         --runs gguf:1:64,gguf:32:24 --rounds 3 --json ab.json
 
-A `--runs` entry Q:B:N is quantization Q ("none" for float weights), batch B,
-N decode steps; a LABEL=TREE@Q1+Q2 config runs only those quantizations
-(a scheme the old tree lacks).
+A `--runs` entry Q:B:N[:P] is quantization Q ("none" for float weights),
+batch B, N decode steps, P prompt tokens (default 128); a LABEL=TREE@Q1+Q2
+config runs only those quantizations (a scheme the old tree lacks).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import sys
 CHILD = """
 import json, sys, time
 from jaxinfer import LLM, SamplingParams
-q, batch, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+q, batch, steps, prompt_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = LLM(progress=False, quantization=None if q == "none" else q, max_num_seqs=max(batch, 8))
 llm.wait_compiled()  # a first run of a tree compiles its buckets in the background: not while timing
-prompts = [[1 + (i * 131 + j * 7) % 40000 for j in range(128)] for i in range(batch)]
+prompts = [[1 + (i * 131 + j * 7) % 40000 for j in range(prompt_len)] for i in range(batch)]
 
 def run(n):
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -60,21 +60,23 @@ def main() -> None:
         label, tree = entry.split("=", 1)
         tree, _, only = tree.partition("@")
         configs.append((label, os.path.abspath(tree), set(only.split("+")) if only else None))
-    runs = [(q, int(b), int(n)) for q, b, n in (r.split(":") for r in args.runs.split(","))]
+    runs = [(q, int(b), int(n), int(rest[0]) if rest else 128)
+            for q, b, n, *rest in (r.split(":") for r in args.runs.split(","))]
     results: dict = {}
     for round_index in range(args.rounds):
-        for q, batch, steps in runs:
+        for q, batch, steps, prompt_len in runs:
             for label, tree, only in configs:
                 if only is not None and q not in only:
                     continue
                 env = dict(os.environ, PYTHONPATH=tree)
-                done = subprocess.run([sys.executable, "-c", CHILD, q, str(batch), str(steps)], env=env, cwd=tree,
-                                      capture_output=True, text=True)
+                done = subprocess.run([sys.executable, "-c", CHILD, q, str(batch), str(steps), str(prompt_len)],
+                                      env=env, cwd=tree, capture_output=True, text=True)
                 if done.returncode != 0:
                     raise SystemExit(f"{label} {q} batch {batch} failed:\n{done.stderr[-2000:]}")
                 ms = json.loads(done.stdout.strip().splitlines()[-1])["ms"]
-                results.setdefault(f"{label} {q} batch {batch}", []).append(ms)
-                print(f"round {round_index} {label:>8} {q:>8} batch {batch:>3}: {ms:8.2f} ms/step", flush=True)
+                results.setdefault(f"{label} {q} batch {batch} prompt {prompt_len}", []).append(ms)
+                print(f"round {round_index} {label:>8} {q:>8} batch {batch:>3} prompt {prompt_len:>5}: {ms:8.2f} ms/step",
+                      flush=True)
     print(f"\n{'config':>40} {'median ms/step':>15}  rounds")
     for key, values in results.items():
         print(f"{key:>40} {statistics.median(values):15.2f}  {[round(v, 2) for v in values]}")
