@@ -172,6 +172,18 @@ struct Rows {
   int64_t seq, begin, end, head_begin, head_end, chunk_begin, chunk_end;
   float* partials = nullptr;
   int64_t run_chunks = 0;
+
+  // This task's share of chunk c alone, or of KV head h alone.
+  Rows Chunk(int64_t c) const {
+    Rows part = *this;
+    part.chunk_begin = c, part.chunk_end = c + 1;
+    return part;
+  }
+  Rows Head(int64_t h) const {
+    Rows part = *this;
+    part.head_begin = h, part.head_end = h + 1;
+    return part;
+  }
 };
 
 // Keys [0, KeyEnd) are the ones rows [begin, end) of seq see: up to the last
@@ -630,12 +642,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
       t.run_chunks = t.chunk_end;
       next += (t.end - t.begin) * t.chunk_end * run_floats;
       split_runs.push_back(t);
-      for (int64_t c = 0; c < t.run_chunks; ++c) {
-        Rows part = t;
-        part.chunk_begin = c;
-        part.chunk_end = c + 1;
-        chunked.push_back(part);
-      }
+      for (int64_t c = 0; c < t.run_chunks; ++c) chunked.push_back(t.Chunk(c));
     }
     tasks.swap(chunked);
   }
@@ -648,12 +655,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
   if (static_cast<int64_t>(tasks.size()) < 2 * workers) {
     std::vector<Rows> per_head;
     for (const Rows& t : tasks)
-      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
-        Rows part = t;
-        part.head_begin = h;
-        part.head_end = h + 1;
-        per_head.push_back(part);
-      }
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) per_head.push_back(t.Head(h));
     tasks.swap(per_head);
   }
   // The tasks that read the most keys first, so that the last ones to finish

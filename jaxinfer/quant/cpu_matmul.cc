@@ -265,7 +265,7 @@ void GroupCodes(const Problem& p, int64_t g, int64_t col, float* w) {
 // of this file. Restored (stop 31; the default model's projections x 30
 // layers and its head, medians of 40 alternated calls): 32 rows 53.5 -> 51.4
 // ms, 64 rows 101.0 -> 98.4. The few-row path does without it: there it cost
-// 12% at one row and 9% at two, and gained 2% at eight (the hardware
+// 12% at one row and 8% at two, and gained 2-4% at eight (the hardware
 // prefetcher follows a task's contiguous tile).
 __attribute__((always_inline)) inline void PrefetchGroup(const Problem& p, int64_t g, int64_t col) {
   const int64_t byte_rows = p.int4 ? p.group / 2 : p.group, stride = RowStride(p);
