@@ -57,6 +57,20 @@ def quantized(array: np.ndarray, qtype) -> bool:
     return array.ndim == 2 and array.shape[1] % block == 0
 
 
+def random_k_blocks(rng, qtype, out_dim: int, in_dim: int) -> np.ndarray:
+    """Valid K-quant blocks of an [out, in] matrix: random codes and sub-block
+    scales, with the f16 super-block scales set to modest values (gguf has no
+    K-quant quantizer to make them from weights)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (out_dim, in_dim // block_size, type_size), dtype=np.uint8)
+    # (byte offset of an f16 super-block scale, its size)
+    fields = [(208, 2e-4)] if qtype == gguf.GGMLQuantizationType.Q6_K else [(0, 0.003), (2, 0.002)]
+    for offset, scale in fields:
+        values = rng.uniform(0.5, 1.5, raw.shape[:2]) * scale
+        raw[..., offset:offset + 2] = values.astype("<f2")[..., None].view(np.uint8)
+    return raw.reshape(out_dim, -1)
+
+
 def round_trip(array: np.ndarray, qtype) -> np.ndarray:
     if qtype == gguf.GGMLQuantizationType.F32 or not quantized(array, qtype):
         return array

@@ -18,7 +18,7 @@ from jaxinfer.quant.linear import linear
 from jaxinfer.quant.params import LINEAR_KEYS, params_nbytes, quantize_params
 from jaxinfer.quant.schemes import quantize
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize, pack_int4, unpack_int4
-from tests.gguf_writer import gguf_name, write_gguf
+from tests.gguf_writer import gguf_name, random_k_blocks, write_gguf
 from tests.tiny_models import assert_logits_close, make_hf_model, save_hf_model
 
 Q = gguf.GGMLQuantizationType
@@ -174,19 +174,6 @@ def test_gguf_layers_of_mixed_types(tmp_path, tiny_llama):
     assert not isinstance(gate, QuantizedTensor)
     np.testing.assert_array_equal(np.asarray(gate), np.asarray(reference.params["layers"]["w_gate"]))
     assert isinstance(direct.params["layers"]["w_down"], QuantizedTensor)
-
-
-def random_k_blocks(rng, qtype, out_dim: int, in_dim: int) -> np.ndarray:
-    """Valid K-quant blocks of an [out, in] matrix: random codes and sub-block
-    scales, with the f16 super-block scales set to modest values (gguf has no
-    K-quant quantizer to make them from weights)."""
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (out_dim, in_dim // block_size, type_size), dtype=np.uint8)
-    fields = [(208, 2e-4)] if qtype == Q.Q6_K else [(0, 0.003), (2, 0.002)]  # (byte offset of an f16, its size)
-    for offset, scale in fields:
-        values = rng.uniform(0.5, 1.5, raw.shape[:2]) * scale
-        raw[..., offset:offset + 2] = values.astype("<f2")[..., None].view(np.uint8)
-    return raw.reshape(out_dim, -1)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)

@@ -1,0 +1,79 @@
+"""Writes a Q4_K_M-like GGUF of a ~0.3B Llama for speed comparisons on K-quant files
+(BENCHMARKS.md, "K-quant files"): hidden 1024, 24 layers of 16 heads (4 KV heads),
+MLP 2816, SmolLM2's tokenizer and 49,152-token vocabulary (copied from the embedded
+default model's GGUF), tied embeddings. Every row length is a multiple of 256, so
+every weight is a K-quant, laid out as llama.cpp's Q4_K_M: Q4_K, with Q6_K for
+attn_v and ffn_down in every other layer and for the embeddings (the head).
+
+The blocks are random (tests/gguf_writer.py, random_k_blocks), so the model's text
+is noise: it measures speed, not quality. No model hub is reachable from the dev
+machines, and the default model's 576-wide rows are not whole K-quant super-blocks
+(llama.cpp quantizes those to other types).
+
+    python scripts/make_kquant_gguf.py /tmp/kquant.gguf
+    python scripts/bench_cpu.py --model /tmp/kquant.gguf --schemes gguf --batch-sizes 1,8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import gguf
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a plain checkout
+
+from jaxinfer.loading.checkpoint import default_model_path  # noqa: E402
+from tests.gguf_writer import random_k_blocks  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, LAYERS, MLP, HEADS, KV_HEADS, VOCAB = 1024, 24, 2816, 16, 4, 49152
+VALUE_WRITERS = {gguf.GGUFValueType.ARRAY: "add_array", gguf.GGUFValueType.STRING: "add_string",
+                 gguf.GGUFValueType.UINT32: "add_uint32", gguf.GGUFValueType.BOOL: "add_bool"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="the .gguf file to write")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    head_dim = HIDDEN // HEADS
+    writer = gguf.GGUFWriter(args.out, "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(MLP)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(VOCAB)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    for name, field in gguf.GGUFReader(str(default_model_path())).fields.items():
+        if name.startswith("tokenizer."):
+            getattr(writer, VALUE_WRITERS[field.types[0]])(name, field.contents())
+    rng = np.random.default_rng(args.seed)
+    writer.add_tensor("token_embd.weight", random_k_blocks(rng, Q.Q6_K, VOCAB, HIDDEN), raw_dtype=Q.Q6_K)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    for i in range(LAYERS):
+        more_bits = Q.Q6_K if i % 2 == 0 else Q.Q4_K
+        weights = {"attn_q": (HIDDEN, HIDDEN, Q.Q4_K), "attn_k": (KV_HEADS * head_dim, HIDDEN, Q.Q4_K),
+                   "attn_v": (KV_HEADS * head_dim, HIDDEN, more_bits), "attn_output": (HIDDEN, HIDDEN, Q.Q4_K),
+                   "ffn_gate": (MLP, HIDDEN, Q.Q4_K), "ffn_up": (MLP, HIDDEN, Q.Q4_K),
+                   "ffn_down": (HIDDEN, MLP, more_bits)}
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for name, (rows, columns, qtype) in weights.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", random_k_blocks(rng, qtype, rows, columns), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
