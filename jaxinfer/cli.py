@@ -9,12 +9,13 @@ import time
 
 def _add_quantization_args(parser: argparse.ArgumentParser) -> None:
     """--quantization and --kv-cache-dtype, shared by generate, bench and ppl."""
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "gguf-a8", "int8", "int4", "fp8", "w8a8"],
+    parser.add_argument("--quantization", default="auto",
+                        choices=["auto", "none", "gguf", "gguf-a8", "int8", "int4", "fp8", "w8a8"],
                         help="weights: auto (default) keeps a GGUF file's blocks on CPU (exact) and loads "
                              "anything else as stored; none loads as stored (GGUF blocks dequantized to "
-                             "--dtype); gguf keeps a GGUF file's Q8_0/Q4_0/Q4_1 blocks quantized; gguf-a8 also the "
-                             "head, and rounds activations to int8 blocks of 32 as llama.cpp does (faster, "
-                             "perplexity +0.07%, changes the numbers); int8/int4/fp8 "
+                             "--dtype); gguf keeps a GGUF file's Q8_0/Q4_x/Q5_x/K-quant blocks quantized; gguf-a8 "
+                             "also the head, and rounds activations to int8 blocks of 32 as llama.cpp does "
+                             "(faster, perplexity +0.07%%, changes the numbers); int8/int4/fp8 "
                              "quantize the linear weights at load time; w8a8 quantizes the linear weights "
                              "and the head to int8 and the activations to int8 per token on the fly "
                              "(fastest on CPU; changes the numbers)")
