@@ -75,8 +75,8 @@ def main() -> None:
                     raise SystemExit(f"{label} {q} batch {batch} failed:\n{done.stderr[-2000:]}")
                 ms = json.loads(done.stdout.strip().splitlines()[-1])["ms"]
                 results.setdefault(f"{label} {q} batch {batch} prompt {prompt_len}", []).append(ms)
-                print(f"round {round_index} {label:>8} {q:>8} batch {batch:>3} prompt {prompt_len:>5}: {ms:8.2f} ms/step",
-                      flush=True)
+                print(f"round {round_index} {label:>8} {q:>8} batch {batch:>3} prompt {prompt_len:>5}: "
+                      f"{ms:8.2f} ms/step", flush=True)
     print(f"\n{'config':>40} {'median ms/step':>15}  rounds")
     for key, values in results.items():
         print(f"{key:>40} {statistics.median(values):15.2f}  {[round(v, 2) for v in values]}")

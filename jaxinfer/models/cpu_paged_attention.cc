@@ -535,8 +535,10 @@ void AttendRows(const Problem& p, const Rows& task, std::vector<float>& scratch)
     }
     for (int64_t row = 0; row < num_rows; ++row) std::copy_n(sums + row * head_dim, head_dim, partial(row, chunk) + 2);
   }
-  if (task.partials == nullptr)
-    for (int64_t row = 0; row < num_rows; ++row) MergeChunks(partial(row, 0), num_chunks, head_dim, p.out + io_offset(row));
+  if (task.partials == nullptr) {
+    for (int64_t row = 0; row < num_rows; ++row)
+      MergeChunks(partial(row, 0), num_chunks, head_dim, p.out + io_offset(row));
+  }
 }
 
 // A task's rows, with a scratch buffer kept per thread.
