@@ -122,14 +122,17 @@ def test_low_precision_pools_read_back_as_stored(kv_dtype):
     np.testing.assert_allclose(out, numpy_attention(q, stored, context_lens, 3), atol=2e-5, rtol=1e-5)
 
 
-def long_case(rng, context_lens, rows, num_kv_heads=2, group=3, head_dim=64, block_size=16):
-    """Sequences of the given contexts in scattered blocks of a one-layer,
-    NaN-filled pool (null block 0 included), their dense K/V, and R query
-    rows each: make_case's shapes, for contexts of many blocks."""
+def scattered_pools(rng, context_lens, num_kv_heads, head_dim, block_size=16, num_layers=1, layer=0, spare_blocks=0):
+    """NaN-filled K and V pools [layers, blocks, block_size, KV, D] (null block
+    0 and `spare_blocks` unused ones included) holding each sequence's random
+    K/V at `layer` in blocks scattered over the pool; -> (k_pool, v_pool,
+    block tables, each sequence's dense (K, V))."""
     blocks = [-(-c // block_size) for c in context_lens]
-    pools = [np.full((1, 1 + sum(blocks), block_size, num_kv_heads, head_dim), np.nan, np.float32) for _ in range(2)]
-    free = list(rng.permutation(np.arange(1, 1 + sum(blocks))))
-    tables = np.zeros((len(context_lens), max(blocks)), np.int32)
+    num_blocks = 1 + sum(blocks) + spare_blocks
+    pools = [np.full((num_layers, num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)
+             for _ in range(2)]
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    tables = np.zeros((len(context_lens), max(blocks) + 1), np.int32)
     dense = []
     for s, context in enumerate(context_lens):
         kv = [rng.standard_normal((context, num_kv_heads, head_dim)).astype(np.float32) for _ in range(2)]
@@ -137,10 +140,17 @@ def long_case(rng, context_lens, rows, num_kv_heads=2, group=3, head_dim=64, blo
             tables[s, b] = free.pop()
             n = min(block_size, context - b * block_size)
             for pool, x in zip(pools, kv):
-                pool[0, tables[s, b], :n] = x[b * block_size:][:n]
+                pool[layer, tables[s, b], :n] = x[b * block_size:][:n]
         dense.append(tuple(kv))
+    return *pools, tables, dense
+
+
+def long_case(rng, context_lens, rows, num_kv_heads=2, group=3, head_dim=64):
+    """make_case's shapes for contexts of many blocks: a one-layer pool
+    (scattered_pools) and R query rows per sequence."""
+    k_pool, v_pool, tables, dense = scattered_pools(rng, context_lens, num_kv_heads, head_dim)
     q = rng.standard_normal((len(context_lens), rows, num_kv_heads * group, head_dim)).astype(np.float32)
-    return q, *pools, tables, np.array(context_lens, np.int32), dense
+    return q, k_pool, v_pool, tables, np.array(context_lens, np.int32), dense
 
 
 @pytest.mark.parametrize("rows,sliding_window", [(1, None), (3, None), (1, 300)])
@@ -182,23 +192,12 @@ def test_prompt_rows_match_float64(head_dim, sliding_window, contexts_and_rows):
     rows over 6,000 keys is cut into runs of 29 and 11 (the scores buffer's
     bound, kScoreFloats)."""
     rng = np.random.default_rng(head_dim + (sliding_window or 0) + len(contexts_and_rows))
-    block_size, num_kv_heads, group, num_layers, layer = 16, 2, 3, 2, 1
-    blocks = [-(-c // block_size) for c, _ in contexts_and_rows]
-    num_blocks = 1 + sum(blocks) + 2
-    k_pool, v_pool = (np.full((num_layers, num_blocks, block_size, num_kv_heads, head_dim), np.nan, np.float32)
-                      for _ in range(2))
-    free = list(rng.permutation(np.arange(1, num_blocks)))
-    tables = np.zeros((len(contexts_and_rows), max(blocks) + 1), np.int32)
-    dense_k, dense_v, token_seq, positions = [], [], [], []
+    num_kv_heads, group, layer = 2, 3, 1
+    k_pool, v_pool, tables, dense = scattered_pools(rng, [c for c, _ in contexts_and_rows], num_kv_heads, head_dim,
+                                                    num_layers=2, layer=layer, spare_blocks=2)
+    dense_k, dense_v = [k for k, _ in dense], [v for _, v in dense]
+    token_seq, positions = [], []
     for s, (context, rows) in enumerate(contexts_and_rows):
-        k, v = (rng.standard_normal((context, num_kv_heads, head_dim)).astype(np.float32) for _ in range(2))
-        for b in range(blocks[s]):
-            tables[s, b] = free.pop()
-            n = min(block_size, context - b * block_size)
-            k_pool[layer, tables[s, b], :n] = k[b * block_size:][:n]
-            v_pool[layer, tables[s, b], :n] = v[b * block_size:][:n]
-        dense_k.append(k)
-        dense_v.append(v)
         token_seq += [s] * rows
         positions += range(context - rows, context)
     num_padding = 3

@@ -186,6 +186,15 @@ struct Rows {
   }
 };
 
+// A task's rows are numbered (h * rows + r) * group + g: its query row r
+// for query head (head_begin + h) * group + g. Where row `row` of task t
+// lies in q and in out.
+inline int64_t RowOffset(const Problem& p, const Rows& t, int64_t row) {
+  const int64_t group = p.num_heads / p.num_kv_heads, rows_per_head = (t.end - t.begin) * group;
+  const int64_t h = row / rows_per_head, r = row % rows_per_head / group, g = row % group;
+  return ((p.query_start[t.seq] + t.begin + r) * p.num_heads + (t.head_begin + h) * group + g) * p.head_dim;
+}
+
 // Keys [0, KeyEnd) are the ones rows [begin, end) of seq see: up to the last
 // row's position.
 inline int64_t KeyEnd(const Problem& p, int64_t seq, int64_t end) {
@@ -457,15 +466,9 @@ void AttendRows(const Problem& p, const Rows& task, std::vector<float>& scratch)
   const int64_t rows_per_head = (task.end - task.begin) * group;
   const int64_t num_rows = num_heads * rows_per_head;
   const int64_t first_pos = p.context_lens[seq] - q_len + task.begin;  // the position of the task's first row
-  // Row `row` = (h * rows + r) * group + g is the task's query row r, head
-  // (head_begin + h) * group + g.
-  auto io_offset = [&](int64_t row) {
-    const int64_t h = row / rows_per_head, r = row % rows_per_head / group, g = row % group;
-    return ((p.query_start[seq] + task.begin + r) * p.num_heads + (head_begin + h) * group + g) * head_dim;
-  };
   const int64_t key_end = KeyEnd(p, seq, task.end);
   if (key_end <= 0) {
-    for (int64_t row = 0; row < num_rows; ++row) std::fill_n(p.out + io_offset(row), head_dim, 0.0f);
+    for (int64_t row = 0; row < num_rows; ++row) std::fill_n(p.out + RowOffset(p, task, row), head_dim, 0.0f);
     return;
   }
   const int64_t chunk_keys = kChunkBlocks * p.block_size, num_chunks = task.chunk_end - task.chunk_begin;
@@ -486,7 +489,7 @@ void AttendRows(const Problem& p, const Rows& task, std::vector<float>& scratch)
   const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   std::vector<int64_t> first(num_rows), last(num_rows);  // a row sees keys [first, last)
   for (int64_t row = 0; row < num_rows; ++row) {
-    const float* q = p.q + io_offset(row);
+    const float* q = p.q + RowOffset(p, task, row);
     for (int64_t d = 0; d < head_dim; ++d) queries[row * head_dim + d] = q[d] * softmax_scale;
     const int64_t query_pos = first_pos + row % rows_per_head / group;
     first[row] = p.sliding_window > 0 ? std::max<int64_t>(0, query_pos - p.sliding_window + 1) : 0;
@@ -537,7 +540,7 @@ void AttendRows(const Problem& p, const Rows& task, std::vector<float>& scratch)
   }
   if (task.partials == nullptr) {
     for (int64_t row = 0; row < num_rows; ++row)
-      MergeChunks(partial(row, 0), num_chunks, head_dim, p.out + io_offset(row));
+      MergeChunks(partial(row, 0), num_chunks, head_dim, p.out + RowOffset(p, task, row));
   }
 }
 
@@ -625,13 +628,15 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
   }
   // Too few runs of rows to keep the cores busy (decode at a few sequences):
   // each run's chunks become tasks of their own, their partials merged below.
-  const int64_t run_floats = p.num_heads * PartialFloats(p.head_dim);  // a run's floats, per row and chunk
+  auto run_floats = [&p](const Rows& t) {  // a run's partials: its rows of every query head x its chunks
+    return (t.end - t.begin) * p.num_heads * t.chunk_end * PartialFloats(p.head_dim);
+  };
   std::vector<float> run_partials;
   std::vector<Rows> split_runs;
   if (static_cast<int64_t>(tasks.size()) < 4 * workers) {
     int64_t floats = 0;
     for (const Rows& t : tasks)
-      if (t.chunk_end > 1) floats += (t.end - t.begin) * t.chunk_end * run_floats;
+      if (t.chunk_end > 1) floats += run_floats(t);
     run_partials.resize(floats);
     std::vector<Rows> chunked;
     float* next = run_partials.data();
@@ -642,7 +647,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
       }
       t.partials = next;
       t.run_chunks = t.chunk_end;
-      next += (t.end - t.begin) * t.chunk_end * run_floats;
+      next += run_floats(t);
       split_runs.push_back(t);
       for (int64_t c = 0; c < t.run_chunks; ++c) chunked.push_back(t.Chunk(c));
     }
@@ -675,15 +680,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
   for (size_t k = 0; k < sorted.size(); ++k) tasks[order[k]] = sorted[k];
   jaxinfer::ParallelFor(thread_pool, static_cast<int64_t>(tasks.size()),
                         [&p, &tasks](int64_t i) { AttendTask(p, tasks[i]); });
-  // The split runs' rows, from their chunks' partials (run row = KV head x
-  // rows per head, as AttendRows numbers them).
-  const int64_t group = p.num_heads / p.num_kv_heads;
+  // The split runs' rows (every KV head's, numbered as RowOffset), from their
+  // chunks' partials.
   for (const Rows& run : split_runs) {
-    const int64_t rows_per_head = (run.end - run.begin) * group;
-    for (int64_t row = 0; row < p.num_kv_heads * rows_per_head; ++row) {
-      const int64_t h = row / rows_per_head, r = row % rows_per_head / group, g = row % group;
-      float* out = p.out + ((p.query_start[run.seq] + run.begin + r) * p.num_heads + h * group + g) * p.head_dim;
-      MergeChunks(run.partials + row * run.run_chunks * PartialFloats(p.head_dim), run.run_chunks, p.head_dim, out);
+    for (int64_t row = 0; row < (run.end - run.begin) * p.num_heads; ++row) {
+      MergeChunks(run.partials + row * run.run_chunks * PartialFloats(p.head_dim), run.run_chunks, p.head_dim,
+                  p.out + RowOffset(p, run, row));
     }
   }
   return ffi::Error::Success();
