@@ -44,7 +44,7 @@ def weight_bytes_per_step(params: dict) -> int:
     """Bytes of weights a one-row decode step reads: every leaf, except that the
     embedding table is only gathered from (one row per token) where another
     head multiplies: an untied or quantized lm_head, or the few_row_head that
-    one row takes (models/llama.py, compute_logits)."""
+    one row takes (backends/cpu.py, logits)."""
     def nbytes(tree):
         return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree))
 

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.backends import XlaBackend
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
 from jaxinfer.models.layers import rms_norm, rope_inv_freq
@@ -70,6 +71,8 @@ CLIP_RATIOS = 1.0 - np.arange(10, dtype=np.float32) / 20
 CLIPPED_KEYS = ("wv", "wo", "w_gate", "w_up", "w_down")
 # Channels whose mean |x| is ~0 would get s ~ 0 for alpha > 0 and blow up 1/s.
 MIN_ACTIVATION = 1e-4
+# The layers run one at a time on float32 arrays: the plain XLA operations.
+REFERENCE = XlaBackend()
 
 
 def awq_quantize_params(
@@ -150,13 +153,13 @@ def layer_forward(layer: dict, config: ModelConfig, x, positions, valid):
     full-sequence causal attention over the real tokens: x [B, T, hidden] ->
     [B, T, hidden]."""
     return decoder_layer(layer, config, x, positions, rope_inv_freq(config), _causal(config, positions, valid),
-                         None, 0)[0]
+                         None, 0, backend=REFERENCE)[0]
 
 
 def _attention_values(layer, config: ModelConfig, h, positions, valid):
     """The attention output before wo: [B, T, num_heads * head_dim]."""
     return attention_values(layer, config, h, positions, rope_inv_freq(config), _causal(config, positions, valid),
-                            None, 0)[0]
+                            None, 0, backend=REFERENCE)[0]
 
 
 def _causal(config: ModelConfig, positions, valid):
@@ -312,7 +315,7 @@ def _awq_layer(layer, x, positions, valid, alphas, *, config: ModelConfig, group
     values = _attention_values(layer, c, h_attn, positions, valid)
     attn_out = values @ layer["wo"]
     h_mlp = rms_norm(x + attn_out, layer["mlp_norm"], c.rms_norm_eps)
-    hidden = mlp_hidden(layer, h_mlp)
+    hidden = mlp_hidden(layer, h_mlp, backend=REFERENCE)
     mlp_out = hidden @ layer["w_down"]
 
     def qkv_loss(s):
@@ -325,7 +328,7 @@ def _awq_layer(layer, x, positions, valid, alphas, *, config: ModelConfig, group
 
     def gate_up_loss(s):
         scaled = dict(layer, **{k: fake_quant(layer[k] * s[:, None]) for k in ("w_gate", "w_up")})
-        return mse(mlp_hidden(scaled, h_mlp / s) @ layer["w_down"], mlp_out)
+        return mse(mlp_hidden(scaled, h_mlp / s, backend=REFERENCE) @ layer["w_down"], mlp_out)
 
     def down_loss(s):
         return mse((hidden / s) @ fake_quant(layer["w_down"] * s[:, None]), mlp_out)

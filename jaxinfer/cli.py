@@ -23,9 +23,13 @@ def _add_quantization_args(parser: argparse.ArgumentParser) -> None:
                         help="auto: the model's dtype; int8/fp8: K/V with a float32 scale per token and KV head")
 
 
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+DTYPE_HELP = "auto: float32 on CPU, the checkpoint's own dtype on a GPU"
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     _add_quantization_args(parser)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--attention-backend", default=None, choices=["xla", "jnp", "pallas", "pallas_interpret"],
@@ -219,7 +223,7 @@ def _ppl(args) -> int:
     elapsed = time.perf_counter() - start
     print(f"perplexity {result.perplexity:.4f} (mean NLL {result.mean_nll:.4f} nats) over "
           f"{result.num_tokens_scored} scored tokens of {result.num_tokens}, {result.num_windows} windows")
-    print(f"model {model.source}, dtype {args.dtype}, weights {model.quantization or 'as stored'}, "
+    print(f"model {model.source}, dtype {model.dtype}, weights {model.quantization or 'as stored'}, "
           f"kv cache {result.kv_cache_dtype}, context {result.context_len}, stride {result.stride} "
           f"[{elapsed:.1f}s]")
     return 0
@@ -311,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--context-len", type=int, default=None, help="tokens per window (default min(model max, 1024))")
     ppl.add_argument("--stride", type=int, default=None, help="window advance (default context_len // 2)")
     _add_quantization_args(ppl)
-    ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ppl.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     ppl.set_defaults(func=_ppl)
     return parser
 

@@ -74,12 +74,14 @@ def convert(src, out_dir, quantize: str = "none", group_size: int | None = None,
     quantize: none | int8 | int4 | int4-awq | fp8 (linear weights of every layer; the head too
     with include_head). dtype: of everything left unquantized.
     """
+    from jaxinfer.backends import XlaBackend
     from jaxinfer.loading.model import load
 
     _check_options(quantize, group_size, calibration, include_head)
     if Path(out_dir).expanduser().exists() and not overwrite:  # before minutes of loading, not after
         raise FileExistsError(f"{out_dir} already exists; choose another directory or pass --overwrite")
-    model = load(src, dtype=dtype, progress=progress, quantization=None)  # quantized below, from float
+    # Quantized below, from float; stacked layers (the checkpoint's layout) whatever the platform.
+    model = load(src, dtype=dtype, progress=progress, quantization=None, backend=XlaBackend())
     return convert_model(model, out_dir, quantize, group_size, calibration, include_head, progress, overwrite, log)
 
 

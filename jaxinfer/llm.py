@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import itertools
-import threading
 
-import jax
 from tqdm.auto import tqdm
 
+from jaxinfer.backends import choose_backend
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.errors import RequestError
@@ -21,9 +20,11 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 class LLM:
-    """LLM(model=None, *, dtype="float32", quantization="auto", progress=True, **engine_options).
+    """LLM(model=None, *, dtype="auto", quantization="auto", progress=True, **engine_options).
 
     model: None (the embedded SmolLM2-135M-Instruct), a HF directory or a .gguf file.
+    dtype: "auto" (float32 on CPU; on a GPU the checkpoint's own dtype, as vLLM), "float32",
+    "bfloat16" or "float16"; see `load`.
     quantization: "auto" (the default: a GGUF file's own blocks on CPU, which are
     exact; otherwise as stored), None (float weights), "gguf" (keep a GGUF file's
     Q8_0 / Q4_0 / Q4_1 weights quantized), "gguf-a8" (the GGUF's blocks, head included, times
@@ -31,6 +32,8 @@ class LLM:
     perplexity +0.07%, opt-in because it changes the numbers), "int8" | "int4" | "fp8" (quantize
     the linear weights at load time), or "w8a8" (int8 weights and head, int8 activations per row,
     changes the numbers more); see `load`.
+    allow_tf32: let a float32 model's matmuls run as TF32 on a GPU (10-bit mantissas, faster);
+    by default float32 means float32 on every platform (backends/, choose_backend).
     engine_options: max_model_len, block_size, num_kv_blocks, kv_cache_memory_fraction,
     max_num_seqs, max_num_batched_tokens, enable_prefix_caching, scheduling_policy,
     attention_backend ("xla", "jnp", "pallas", "pallas_interpret"; default pallas on GPU, xla elsewhere;
@@ -53,8 +56,8 @@ class LLM:
     """
 
     def __init__(
-        self, model=None, *, dtype: str = "float32", quantization: str | None = "auto", progress: bool = True,
-        tensor_parallel_size: int | None = None, data_parallel_size: int | None = None,
+        self, model=None, *, dtype: str = "auto", quantization: str | None = "auto", progress: bool = True,
+        allow_tf32: bool = False, tensor_parallel_size: int | None = None, data_parallel_size: int | None = None,
         context_parallel_size: int | None = None, **engine_options,
     ):
         meshes = [None]
@@ -68,8 +71,10 @@ class LLM:
             check_data_parallel_hosts(data_parallel_size)
             meshes = replica_meshes(tensor_parallel_size or 1, data_parallel_size,
                                     context_parallel_size=context_parallel_size or 1)
-        _start_cpu_kernel_builds(quantization)
-        self.model = load(model, dtype=dtype, progress=progress, quantization=quantization, mesh=meshes[0])
+        backend = choose_backend(meshes[0], allow_tf32)
+        backend.start_kernel_builds(quantization)  # while the weights load
+        self.model = load(model, dtype=dtype, progress=progress, quantization=quantization, mesh=meshes[0],
+                          backend=backend)
         self.tokenizer = self.model.tokenizer
         if engine_options.get("max_model_len") is None:
             engine_options["max_model_len"] = min(self.model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -193,19 +198,3 @@ class LLM:
         run in a larger bucket than its own, and compilation shares the CPU."""
         self.engine.wait_compiled()
 
-
-def _start_cpu_kernel_builds(quantization) -> None:
-    """On CPU, build (or load, once cached) the native kernels on threads while
-    the weights load: the first run on a machine compiles each for ~2 s, which
-    would otherwise land, one after the other, on warm-up's first trace. The
-    int8-activation matmul only for the load that uses it ("gguf-a8")."""
-    if jax.default_backend() != "cpu":
-        return
-    from jaxinfer.models import cpu_paged_attention
-    from jaxinfer.quant import cpu_matmul
-
-    builds = [cpu_paged_attention.available, cpu_matmul.available]
-    if quantization == "gguf-a8":
-        builds.append(cpu_matmul.q8_available)
-    for available in builds:
-        threading.Thread(target=available, daemon=True).start()

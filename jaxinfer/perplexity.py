@@ -20,8 +20,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.llama import compute_logits, forward
-from jaxinfer.models.paged_attention import PagedAttentionMetadata, paged_cache_attention
+from jaxinfer.models.llama import forward
+from jaxinfer.models.paged_attention import PagedAttentionMetadata
 
 DEFAULT_CONTEXT_LEN = 1024
 DEFAULT_CHUNK_SIZE = 256
@@ -62,11 +62,12 @@ def _allocate_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("kv_cache",))
-def _score_chunk(params, kv_cache, tokens, targets, meta, *, config: ModelConfig, backend: str):
+def _score_chunk(params, kv_cache, tokens, targets, meta, *, config: ModelConfig, backend):
     """Log-probability of targets[i] after tokens up to tokens[i] (the cache holding the rest)."""
-    attention = paged_cache_attention(meta, config.sliding_window, backend)
-    hidden, kv_cache = forward(params, config, tokens[None], meta.positions[None], attention, kv_cache)
-    logprobs = jax.nn.log_softmax(compute_logits(params, hidden[0]), axis=-1)
+    attention = backend.paged_attention(meta, config.sliding_window, False, None)
+    hidden, kv_cache = forward(params, config, tokens[None], meta.positions[None], attention, kv_cache,
+                               backend=backend)
+    logprobs = jax.nn.log_softmax(backend.logits(params, hidden[0]), axis=-1)
     return jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0], kv_cache
 
 
@@ -94,7 +95,7 @@ def perplexity(model, token_ids, context_len: int | None = None, stride: int | N
         raise ValueError(f"stride must lie in [1, context_len={context_len}], got {stride}")
     if chunk_size < 1 or block_size < 1:
         raise ValueError("chunk_size and block_size must be positive")
-    backend = attention_backend or ("pallas" if jax.default_backend() == "gpu" else "xla")
+    backend = model.backend.with_attention(attention_backend)
     chunk_size = min(chunk_size, context_len)
 
     num_blocks = -(-context_len // block_size)

@@ -6,11 +6,11 @@ paged_decode_attention   one to a few query tokens per sequence over the paged
 paged_prefill_attention  flash attention of ragged query chunks over the paged
                          cache, causal mask aligned bottom-right
 quantized_matmul         x @ W for int8 / int4 / fp8 quantized weights (plain arrays),
-                         dequantized in registers (decode-sized x); the quantized
-                         `linear` (jaxinfer/quant/linear.py) calls it on GPU
+                         dequantized in registers (decode-sized x); the GPU
+                         backend's `linear` (jaxinfer/backends/gpu.py) calls it
 
 Written for the Triton GPU lowering (JAX 0.10 and 0.11); tests run them with
 interpret=True on CPU. The engine reaches them through
 jaxinfer/models/paged_attention.py (attention_backend "pallas" /
-"pallas_interpret") and jaxinfer/quant/linear.py.
+"pallas_interpret") and jaxinfer/backends/gpu.py.
 """

@@ -8,10 +8,9 @@ then quantized per stacked weight with jaxinfer.quant.schemes.quantize (int8
 per channel, int4 groups of 128, fp8 per channel; lm_head stays bf16 unless
 --quantize-head, as in quantize_params). One scheme's model lives on the
 device at a time. Steps run through the real model code: models.llama.forward
-with the paged-cache attention of models.paged_attention (the engine's
-attention backend for the platform), every linear through quant/linear.py,
-which on a GPU sends few-row quantized matmuls to
-pallas_kernels/quantized_matmul.py. `--steps` greedy steps run inside one
+on the platform's backend (jaxinfer/backends/: its weight layout, layer loop,
+attention and linear, which on a GPU sends few-row quantized matmuls to
+pallas_kernels/quantized_matmul.py). `--steps` greedy steps run inside one
 jitted loop (so host dispatch is not timed) from a fixed context of
 `--context` cached tokens.
   Reported per scheme: step ms, tok/s, weight bytes read per step (every
@@ -60,11 +59,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
+from jaxinfer.backends import choose_backend  # noqa: E402
 from jaxinfer.bench_timing import copy_bandwidth_gbs, time_ms  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.models.kv_cache import allocate_kv_cache  # noqa: E402
-from jaxinfer.models.llama import compute_logits, forward, param_shapes  # noqa: E402
-from jaxinfer.models.paged_attention import PagedAttentionMetadata, paged_cache_attention  # noqa: E402
+from jaxinfer.models.llama import forward, param_shapes  # noqa: E402
+from jaxinfer.models.paged_attention import PagedAttentionMetadata  # noqa: E402
 from jaxinfer.quant.schemes import quantize  # noqa: E402
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize  # noqa: E402
 from pallas_kernels import quantized_matmul as kernel  # noqa: E402
@@ -156,7 +156,7 @@ def build_params(config: ModelConfig, scheme: str, quantize_head: bool, seed: in
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "steps"), donate_argnames=("kv_cache",))
-def decode_steps(params, kv_cache, token, start_pos, block_table, *, config: ModelConfig, backend: str, steps: int):
+def decode_steps(params, kv_cache, token, start_pos, block_table, *, config: ModelConfig, backend, steps: int):
     """`steps` greedy batch-1 decode steps from position start_pos, as the
     engine runs a pure-decode step (one token, decode=True attention)."""
 
@@ -171,9 +171,10 @@ def decode_steps(params, kv_cache, token, start_pos, block_table, *, config: Mod
             context_lens=(pos + 1)[None],
             query_start=jnp.array([0, 1], jnp.int32),
         )
-        attention = paged_cache_attention(meta, config.sliding_window, backend, decode=True)
-        hidden, kv_cache = forward(params, config, token[None, None], pos[None, None], attention, kv_cache)
-        logits = compute_logits(params, hidden[0])
+        attention = backend.paged_attention(meta, config.sliding_window, True, None)
+        hidden, kv_cache = forward(params, config, token[None, None], pos[None, None], attention, kv_cache,
+                                   backend=backend)
+        logits = backend.logits(params, hidden[0])
         return jnp.argmax(logits[0]).astype(jnp.int32), kv_cache
 
     return lax.fori_loop(0, steps, step, (token, kv_cache))
@@ -181,7 +182,8 @@ def decode_steps(params, kv_cache, token, start_pos, block_table, *, config: Mod
 
 def bench_decode(args, config: ModelConfig, scheme: str, copy_gbs: float | None) -> dict:
     start = time.perf_counter()
-    params = build_params(config, scheme, args.quantize_head)
+    backend = choose_backend(dtype=DTYPE, attention=args.attention_backend)
+    params = backend.layout(build_params(config, scheme, args.quantize_head))
     jax.block_until_ready(params)
     build_s = time.perf_counter() - start
     weight_bytes = nbytes({k: v for k, v in params.items() if k != "embed"})
@@ -190,7 +192,7 @@ def bench_decode(args, config: ModelConfig, scheme: str, copy_gbs: float | None)
     num_blocks = 1 + math.ceil(max_tokens / BLOCK_SIZE)  # block 0 is the null block
     kv_cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, DTYPE)
     block_table = jnp.arange(1, num_blocks, dtype=jnp.int32)
-    static = dict(config=config, backend=args.attention_backend, steps=args.steps)
+    static = dict(config=config, backend=backend, steps=args.steps)
     run = functools.partial(decode_steps, **static)
     token, start_pos = jnp.int32(1), jnp.int32(args.context)
     # The kernel is a jitted function: its name is in the step's module exactly when linear() called it.

@@ -53,16 +53,13 @@ def main() -> None:
     from jaxinfer.engine.programs import forward_step, sample_step
     from jaxinfer.engine.sampler import SamplingMetadata
     from jaxinfer.models.layers import rms_norm
-    from jaxinfer.models.llama import compute_logits
-    from jaxinfer.models.paged_attention import paged_cache_attention
-    from jaxinfer.quant.linear import linear
-    from jaxinfer.quant.tensor import LayerOf, QuantizedTensor
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     llm = LLM(args.model, quantization=None if args.quantization == "none" else args.quantization, max_num_seqs=max(16, max(batch_sizes)),
               max_num_batched_tokens=max(256, max(batch_sizes)), progress=False)
     llm.wait_compiled()
     engine, runner = llm.engine, llm.engine.runner
+    backend = runner.backend  # the model's platform backend: its layer loop and operations
     config, params = llm.model.config, llm.model.params
     weight_bytes = weight_bytes_per_step(params)
     bandwidth = read_bandwidth_gbs(512 * 2**20)
@@ -105,8 +102,7 @@ def main() -> None:
         num_seqs = len(inputs.attn_meta.context_lens)
 
         def forward(kv, tokens, meta, idx):
-            return forward_step(params, kv, tokens, meta, idx, config=config, backend=runner.attention_backend,
-                                layout=inputs.layout)
+            return forward_step(params, kv, tokens, meta, idx, config=config, backend=backend, layout=inputs.layout)
 
         # The pool is donated into the forward: keep feeding the returned one back.
         cache = [runner.kv_cache]
@@ -119,25 +115,21 @@ def main() -> None:
         runner.kv_cache = cache[0]
         sampling = SamplingMetadata.from_params([s.params for s in seqs], [0] * len(seqs), [1] * len(seqs), num_seqs)
         logits = jnp.zeros((num_seqs, config.vocab_size), jnp.float32)
-        sample_ms = time_ms(lambda: sample_step(logits, sampling, None, *runner._no_mask(num_seqs), full=False), iters=args.iters)
+        sample_ms = time_ms(lambda: sample_step(logits, sampling, None, *runner._no_mask(num_seqs), full=False,
+                                                conditional=backend.conditional_skips, feed_size=runner.feed_size),
+                            iters=args.iters)
 
         x = jnp.ones((num_seqs, config.hidden_size), llm.model.dtype)
 
         @jax.jit
         def matmuls(layers, x):
-            # Quantized weights reach linear() as LayerOf, as models/llama.py
-            # hands them over on one device (the native kernels read them in place).
-            stacked = {n: w for n, w in layers.items() if isinstance(w, QuantizedTensor)}
-            sliced = {n: w for n, w in layers.items() if n not in stacked}
-
-            def layer(x, per_layer):
-                p, index = per_layer
-                w = {**p, **{n: LayerOf(s, index) for n, s in stacked.items()}}
-                q, k, v = (linear(x, w[n]) for n in ("wq", "wk", "wv"))
-                o = linear(q, w["wo"])
-                h = jax.nn.silu(linear(x + o, w["w_gate"])) * linear(x, w["w_up"])
-                return x + linear(h, w["w_down"]) + 1e-3 * (k.sum() + v.sum()), None
-            return jax.lax.scan(layer, x, (sliced, jnp.arange(config.num_layers)))[0]
+            # Through the backend's layer loop and linear, as the model multiplies them.
+            def layer(x, w, index):
+                q, k, v = backend.linears(x, [w[n] for n in ("wq", "wk", "wv")])
+                o = backend.linear(q, w["wo"])
+                gate, up = backend.linears(x + o, [w["w_gate"], w["w_up"]])
+                return x + backend.linear(jax.nn.silu(gate) * up, w["w_down"]) + 1e-3 * (k.sum() + v.sum())
+            return backend.run_layers(layer, x, layers, config.num_layers)
 
         matmul_ms = time_ms(matmuls, params["layers"], x, iters=args.iters)
 
@@ -147,14 +139,12 @@ def main() -> None:
 
         @functools.partial(jax.jit, donate_argnums=0)
         def attention_only(kv_cache, meta):
-            attend = paged_cache_attention(meta, config.sliding_window, runner.attention_backend, True)
+            attend = backend.paged_attention(meta, config.sliding_window, True, None)
 
-            def layer(carry, index):
+            def layer(carry, _, index):
                 out, kv_cache = carry
-                o, kv_cache = attend(q + out, kv, kv, kv_cache, index)
-                return (o, kv_cache), None
-            (out, kv_cache), _ = jax.lax.scan(layer, (jnp.zeros_like(q), kv_cache), jnp.arange(config.num_layers))
-            return out, kv_cache
+                return attend(q + out, kv, kv, kv_cache, index)
+            return backend.run_layers(layer, (jnp.zeros_like(q), kv_cache), {}, config.num_layers)
 
         def run_attention():
             out, cache[0] = attention_only(cache[0], meta)
@@ -163,7 +153,7 @@ def main() -> None:
         cache[0] = runner.kv_cache
         attention_ms = time_ms(run_attention, iters=args.iters)
         runner.kv_cache = cache[0]
-        head_ms = time_ms(jax.jit(lambda p, x: compute_logits(p, rms_norm(x, p["final_norm"], 1e-5))), params, x,
+        head_ms = time_ms(jax.jit(lambda p, x: backend.logits(p, rms_norm(x, p["final_norm"], 1e-5))), params, x,
                           iters=args.iters)
         row = {
             "batch": batch, "step_ms": step_ms, "forward_ms": forward_ms, "sample_ms": sample_ms,

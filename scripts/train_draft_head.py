@@ -160,8 +160,8 @@ def read_data(path: Path) -> list[tuple[int, list[int], list[int]]]:
     return sorted((r["i"], r["prompt"], r["completion"]) for r in rows)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def target_features(params, config, tokens):
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def target_features(params, config, tokens, backend):
     """Pre-norm features [T, hidden] and the target's greedy next tokens [T]."""
     from jaxinfer.models.attention import full_sequence_attention
     from jaxinfer.models.llama import forward
@@ -169,8 +169,9 @@ def target_features(params, config, tokens):
 
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
     features, _ = forward(params, config, tokens[None], positions, full_sequence_attention(positions),
-                          final_norm=False)
-    return features[0], jnp.argmax(feature_logits(params, config, features[0]), -1).astype(jnp.int32)
+                          backend=backend, final_norm=False)
+    logits = feature_logits(params, config, features[0], backend=backend)
+    return features[0], jnp.argmax(logits, -1).astype(jnp.int32)
 
 
 def make_windows(model, data, window: int):
@@ -185,7 +186,7 @@ def make_windows(model, data, window: int):
         length = len(ids)
         padded = np.zeros(-(-length // 64) * 64, np.int32)
         padded[:length] = ids
-        feats, greedy = target_features(model.params, model.config, padded)
+        feats, greedy = target_features(model.params, model.config, padded, model.backend)
         feats, greedy = np.asarray(feats[:length], np.float16), np.asarray(greedy[:length])
         q = np.arange(1, length)  # entry q: token x_q, input f_{q-1}, target f_q, label argmax(logits_q)
         for start in range(0, len(q) - 1, window):
@@ -262,7 +263,7 @@ def ttt_attention(step: int, valid):
     return attend
 
 
-def losses(head, target_params, config, batch, feature_scale, num_steps: int):
+def losses(head, target_params, config, batch, feature_scale, num_steps: int, backend):
     """Training-time test over num_steps draft steps: step 1 reads the
     target's real features; step j reads step j-1's predicted features (entry
     p gets the prediction made at p - 1), with the attention drafting would
@@ -283,8 +284,8 @@ def losses(head, target_params, config, batch, feature_scale, num_steps: int):
     loss, metrics = 0.0, {}
     for step in range(1, num_steps + 1):
         pred, cache = head_features(head, target_params, config, batch["tokens"], inputs, batch["positions"],
-                                    ttt_attention(step, valid), cache)
-        logp = jax.nn.log_softmax(draft_logits(head, target_params, config, pred), axis=-1)
+                                    ttt_attention(step, valid), cache, backend=backend)
+        logp = jax.nn.log_softmax(draft_logits(head, target_params, config, pred, backend=backend), axis=-1)
         nll = -jnp.take_along_axis(logp, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
         reg = jnp.mean(optax_huber((pred - targets) / feature_scale), axis=-1)
         hit = (jnp.argmax(logp, -1) == labels).astype(jnp.float32)
@@ -358,7 +359,6 @@ def main():
 
     from jaxinfer import load
     from jaxinfer.engine.spec.eagle_head import init_head, save_head
-    from jaxinfer.models.llama import compute_logits
 
     start = time.perf_counter()
     model = load(args.model, progress=False)
@@ -391,7 +391,7 @@ def main():
     if args.draft_vocab:
         # The draft output matrix starts as the target's own columns for the chosen tokens.
         eye = jnp.eye(config.hidden_size, dtype=target["final_norm"].dtype)
-        head["lm_head"] = jnp.asarray(np.asarray(compute_logits(target, eye))[:, d2t], jnp.float32)
+        head["lm_head"] = jnp.asarray(np.asarray(model.backend.logits(target, eye))[:, d2t], jnp.float32)
     trainable = head
     steps_per_epoch = num // args.batch_size
     total_steps = steps_per_epoch * args.epochs
@@ -415,13 +415,14 @@ def main():
     @jax.jit
     def train_step(params, opt_state, target, batch):
         (loss, metrics), grads = jax.value_and_grad(
-            lambda h: losses(h, target, config, batch, feature_scale, args.ttt_steps), has_aux=True)(params)
+            lambda h: losses(h, target, config, batch, feature_scale, args.ttt_steps, model.backend),
+            has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, metrics
 
     @jax.jit
     def eval_step(params, target, batch):
-        return losses(params, target, config, batch, feature_scale, args.ttt_steps)
+        return losses(params, target, config, batch, feature_scale, args.ttt_steps, model.backend)
 
     def evaluate(params):
         sums, batches = {}, 0

@@ -191,7 +191,7 @@ def collectives_of(llm, decode: bool):
                           block_size=r.block_size, max_blocks_per_seq=r.max_blocks_per_seq)
     tokens, meta, indices = r._put(inputs[:3])
     compiled = forward_step.lower(
-        r.params, r.kv_cache, tokens, meta, indices, config=r.config, backend=r.attention_backend,
+        r.params, r.kv_cache, tokens, meta, indices, config=r.config, backend=r.backend,
         layout=inputs.layout, mesh=r.mesh).compile()
     found = []
     for line in compiled.as_text().split("\n"):

@@ -291,7 +291,7 @@ def collectives(llm, layout):
                           block_size=r.block_size, max_blocks_per_seq=r.max_blocks_per_seq)
     tokens, meta, indices = r._put(inputs[:3])
     text = forward_step.lower(r.params, r.kv_cache, tokens, meta, indices, config=r.config,
-                              backend=r.attention_backend, layout=layout, mesh=r.mesh).compile().as_text()
+                              backend=r.backend, layout=layout, mesh=r.mesh).compile().as_text()
     found = []
     for line in text.split("\n"):
         op = re.search(r" (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\(", line)

@@ -1,5 +1,5 @@
-"""The native CPU matmuls (quant/cpu_matmul.cc, few rows of float
-activations; quant/cpu_q8_matmul.cc, activations quantized to int8 blocks)
+"""The native CPU matmuls (native/matmul.cc, few rows of float
+activations; native/q8_matmul.cc, activations quantized to int8 blocks)
 against float64 numpy on weights dequantized independently here (own nibble
 order, scale and offset expansion) and, for the second, activations rounded
 to int8 blocks here, for int4 and int8 codes, grouped and per channel, with
@@ -12,10 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.backends import CpuBackend
 from jaxinfer.models.llama import forward
-from jaxinfer.quant import cpu_matmul
-from jaxinfer.quant.linear import linear, linears
-from jaxinfer.quant.tensor import LayerOf, QuantizedTensor, pack_int4
+from jaxinfer.native import matmul as cpu_matmul
+from jaxinfer.quant.layer_weights import LayerOf
+from jaxinfer.quant.linear import linear
+from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
+
+# The CPU backend's operations: what the model's layer loop calls on one device.
+CPU = CpuBackend()
 
 
 def test_kernels_build_here():
@@ -121,7 +126,7 @@ def test_several_weights_in_one_call(rows):
 
 
 def test_linears_share_one_call_where_the_kernel_takes_them_all():
-    """linears() makes one kernel call for weights of one group size and
+    """The CPU backend's linears makes one kernel call for weights of one group size and
     offsets alike, and one per weight otherwise, with the same values."""
     rng = np.random.default_rng(3)
     a, a_value = random_stacked_weight(rng, "int4", 2, 64, 128, 32, True)
@@ -129,14 +134,14 @@ def test_linears_share_one_call_where_the_kernel_takes_them_all():
     c, c_value = random_stacked_weight(rng, "int8", 2, 64, 64, 16, False)
     x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
     for ws, values, calls in (([a, b], [a_value, b_value], 1), ([a, c], [a_value, c_value], 2)):
-        fn = jax.jit(lambda x, ws, i: linears(x, [LayerOf(w, i) for w in ws]))
+        fn = jax.jit(lambda x, ws, i: CPU.linears(x, [LayerOf(w, i) for w in ws]))
         assert fn.lower(x, ws, jnp.int32(1)).as_text().count(f"custom_call @{cpu_matmul.TARGET_NAME}(") == calls
         for y, value in zip(fn(x, ws, jnp.int32(1)), values):
             assert_matches(np.asarray(y), np.asarray(x, np.float64) @ value[1])
 
 
 def test_tiled_layout_round_trips_and_reaches_xla_untiled():
-    """untiled() restores the stored arrays exactly; past max_rows() linear()
+    """untiled() restores the stored arrays exactly; past max_rows() the CPU backend
     hands the XLA path the untiled layer, with the same values."""
     rng = np.random.default_rng(4)
     w, value = random_stacked_weight(rng, "int4", 2, 64, 192, 32, True)
@@ -144,7 +149,7 @@ def test_tiled_layout_round_trips_and_reaches_xla_untiled():
     for a, b in zip(jax.tree.leaves(tiled.untiled()), jax.tree.leaves(w)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     x = jnp.asarray(rng.standard_normal((cpu_matmul.max_rows() + 1, 64)), jnp.float32)
-    fn = jax.jit(lambda x, w, i: linear(x, LayerOf(w, i)))
+    fn = jax.jit(lambda x, w, i: CPU.linear(x, LayerOf(w, i)))
     assert cpu_matmul.TARGET_NAME not in fn.lower(x, tiled, jnp.int32(1)).as_text()
     assert_matches(np.asarray(fn(x, tiled, jnp.int32(1))), np.asarray(x, np.float64) @ value[1])
 
@@ -211,7 +216,7 @@ def test_q8_float16_scales(rows):
 
 
 def test_linear_with_int8_activations_same_on_every_path():
-    """A weight with activation_block: linear() on LayerOf runs the q8 kernel
+    """A weight with activation_block: the CPU backend's linear on LayerOf runs the q8 kernel
     at any row count; on the plain layer (the XLA path, or a mesh) it
     multiplies int8_blocks(x) in float. Both give the float64 product of the
     rounded activations."""
@@ -221,7 +226,7 @@ def test_linear_with_int8_activations_same_on_every_path():
     for rows in (3, 40):
         x = rng.standard_normal((rows, 64)).astype(np.float32)
         expected = int8_blocks_float64(x, 32) @ value[1]
-        native = jax.jit(lambda x, w, i: linear(x, LayerOf(w, i)))
+        native = jax.jit(lambda x, w, i: CPU.linear(x, LayerOf(w, i)))
         assert cpu_matmul.Q8_TARGET_NAME in native.lower(x, w, jnp.int32(1)).as_text()
         plain = jax.jit(lambda x, w: linear(x, LayerOf(w, jnp.int32(1)).layer()))
         for fn, args in ((native, (x, w, jnp.int32(1))), (plain, (x, w))):
@@ -229,7 +234,7 @@ def test_linear_with_int8_activations_same_on_every_path():
 
 
 def test_linear_hands_layer_of_to_the_kernel_and_the_rest_to_xla():
-    """linear() on LayerOf runs the kernel up to max_rows() rows (128 with
+    """The CPU backend's linear on LayerOf runs the kernel up to max_rows() rows (128 with
     AVX-512) and the XLA path (on the sliced layer) past that: the same
     values either way."""
     rng = np.random.default_rng(0)
@@ -237,16 +242,16 @@ def test_linear_hands_layer_of_to_the_kernel_and_the_rest_to_xla():
     max_rows = cpu_matmul.max_rows()
     for rows in (3, max_rows, max_rows + 1):
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
-        fn = jax.jit(lambda x, w, i: linear(x, LayerOf(w, i)))
+        fn = jax.jit(lambda x, w, i: CPU.linear(x, LayerOf(w, i)))
         hlo = fn.lower(x, w, jnp.int32(1)).as_text()
         assert (cpu_matmul.TARGET_NAME in hlo) == (rows <= max_rows)
         assert_matches(np.asarray(fn(x, w, jnp.int32(1))), np.asarray(x, np.float64) @ value[1])
 
 
 def test_model_forward_uses_the_kernel_only_when_allowed(tiny_llama_quantized):
-    """A decode-sized forward of a quantized model reads its stacked layers
-    through the kernel; native_weights=False (a mesh) never does, and both
-    give the same logits."""
+    """A decode-sized forward of a quantized model on the CPU backend reads its
+    stacked layers through the kernel; with native=False (a mesh) it never
+    does, and both give the same logits."""
     params, config = tiny_llama_quantized
     tokens = jnp.asarray([[5, 9]], jnp.int32)
     positions = jnp.asarray([[0, 1]], jnp.int32)
@@ -255,7 +260,7 @@ def test_model_forward_uses_the_kernel_only_when_allowed(tiny_llama_quantized):
         from jaxinfer.models.attention import full_sequence_attention
 
         fn = jax.jit(lambda p, t: forward(p, config, t, positions, full_sequence_attention(positions),
-                                          native_weights=native)[0])
+                                          backend=CpuBackend(native=native))[0])
         return fn.lower(params, tokens).as_text(), np.asarray(fn(params, tokens))
 
     (native_hlo, native_out), (xla_hlo, xla_out) = run(True), run(False)

@@ -1,4 +1,4 @@
-"""The native CPU paged attention kernel (models/cpu_paged_attention.cc)
+"""The native CPU paged attention kernel (native/paged_attention.cc)
 against a float64 numpy computation on dense per-sequence K/V: decode (1 row
 per sequence), verification (1 + K rows) and prompt (ragged rows per
 sequence) layouts, GQA, sliding windows, every pool dtype, a layer index
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models import cpu_paged_attention
 from jaxinfer.models.kv_cache import as_fp8, quantize_kv
+from jaxinfer.native import paged_attention as cpu_paged_attention
 from tests.test_paged_attention import make_case as paged_case
 from tests.test_paged_attention import numpy_attention as numpy_ragged_attention
 
@@ -214,10 +214,11 @@ def test_prompt_rows_match_float64(head_dim, sliding_window, contexts_and_rows):
 
 
 def test_engine_decode_step_calls_the_kernel():
-    """The engine's decode forward on CPU compiles to the kernel's custom
+    """The CPU backend's decode attention compiles to the kernel's custom
     call, not the jnp tile loop (whose results the engine tests compare with
     HF transformers through this same path)."""
-    from jaxinfer.models.paged_attention import PagedAttentionMetadata, paged_cache_attention
+    from jaxinfer.backends import CpuBackend
+    from jaxinfer.models.paged_attention import PagedAttentionMetadata
 
     rng = np.random.default_rng(0)
     q, k_pool, v_pool, tables, context_lens, _ = make_case(rng, 4, 1, 16, 2, 2, 32, num_layers=1, layer=0)
@@ -225,7 +226,7 @@ def test_engine_decode_step_calls_the_kernel():
                                   token_seq=jnp.arange(4, dtype=jnp.int32), block_tables=jnp.asarray(tables),
                                   context_lens=jnp.asarray(context_lens),
                                   query_start=jnp.arange(5, dtype=jnp.int32))
-    attend = paged_cache_attention(meta, decode=True)
+    attend = CpuBackend().paged_attention(meta, None, True, None)
     new_kv = jnp.zeros((1, 4, 2, 32), jnp.float32)
     hlo = jax.jit(attend).lower(jnp.asarray(q[:, 0])[None], new_kv, new_kv,
                                 (jnp.nan_to_num(k_pool), jnp.nan_to_num(v_pool)), jnp.int32(0)).as_text()

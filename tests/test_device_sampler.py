@@ -23,8 +23,8 @@ from jaxinfer.engine.sampler import (
 from jaxinfer.sampling_params import SamplingParams
 from tests import reference_sampler as ref
 
-SAMPLE = jax.jit(sample, static_argnames="num_logprobs")
-FILTERED = jax.jit(sampling_logits)
+SAMPLE = jax.jit(sample, static_argnames=("num_logprobs", "conditional"))
+FILTERED = jax.jit(sampling_logits, static_argnames="conditional")
 PENALISE = jax.jit(apply_penalties)
 
 # Upper 1e-4 quantiles of chi-square (as in tests/test_sampling.py).
@@ -111,8 +111,11 @@ def test_make_penalty_inputs_counts_by_loop():
 # ---------------------------------------------------------------- filters
 
 
+@pytest.mark.parametrize("conditional", [True, False], ids=["conditional", "branch-free"])
 @pytest.mark.parametrize("vocab", [7, 13, 50])
-def test_filters_match_reference_keep_sets(vocab):
+def test_filters_match_reference_keep_sets(vocab, conditional):
+    """Both ways of paying for work only some rows need (skipped under a
+    lax.cond, or always computed: the GPU backend's) keep the reference's sets."""
     rng = np.random.default_rng(vocab)
     rows, checked, total = 64, 0, 0
     # "min_p" batches have no row using top-k/top-p (the search is skipped),
@@ -121,8 +124,8 @@ def test_filters_match_reference_keep_sets(vocab):
         logits = random_logits(rng, rows, vocab)
         params = [random_params(rng, vocab, mode) for _ in range(rows)]
         meta = meta_for(params, steps=[batch] * rows)
-        got = np.asarray(FILTERED(logits, meta))
-        tokens = np.asarray(SAMPLE(logits, meta).token_ids)
+        got = np.asarray(FILTERED(logits, meta, conditional=conditional))
+        tokens = np.asarray(SAMPLE(logits, meta, conditional=conditional).token_ids)
         for i, p in enumerate(params):
             scaled = (logits[i] / np.float32(p.temperature)).astype(np.float64)
             total += 1
@@ -381,3 +384,24 @@ def test_first_argmax_is_numpys_argmax_with_ties_nan_and_bools():
     for x in (rng.standard_normal((4, 49152)).astype(np.float32), ties, special, rng.random((5, 30)) > 0.8,
               np.zeros((2, 9), bool)):
         np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+
+
+def test_branch_free_sampler_draws_what_the_conditional_one_draws():
+    """The GPU backend's sampler (no lax.cond: every optional piece computed,
+    selected per row) draws exactly the tokens and logprobs of the
+    conditional one, which the tests above check against the reference:
+    all-greedy, mixed and sampled batches, with a structured-output mask on
+    some rows or none."""
+    rng = np.random.default_rng(11)
+    rows, vocab = 8, 96
+    logits, params, seeds, steps = varied_batch(rng, rows, vocab)
+    greedy = [SamplingParams(temperature=0.0) for _ in range(rows)]
+    mixed = [p if i % 3 else g for i, (p, g) in enumerate(zip(params, greedy))]
+    bitmask = rng.integers(-2**31, 2**31, (rows, -(-vocab // 32)), dtype=np.int64).astype(np.int32)
+    for batch in (greedy, mixed, params):
+        for constrained in (np.zeros(rows, bool), np.arange(rows) % 2 == 0):
+            meta = meta_for(batch, seeds, steps)
+            outs = [SAMPLE(logits, meta, num_logprobs=3, bitmask=bitmask, constrained=constrained,
+                           conditional=conditional) for conditional in (True, False)]
+            for a, b in zip(*outs):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -70,27 +70,27 @@ def test_not_a_head_is_refused(tmp_path, eagle_llm):
 
 def test_int8_drafting_head_drafts_as_the_float_head(eagle_llm):
     """Drafting multiplies the head as int8 through the native CPU kernel
-    (for_cpu_kernels): its drafts must be the float head's almost everywhere
+    (the CPU backend's eagle_head_layout): its drafts must be the float head's almost everywhere
     (rounding may flip a near tie), from the target's own features."""
     import jax.numpy as jnp
 
     from jaxinfer.engine.spec.eagle import draft_tokens
-    from jaxinfer.engine.spec.eagle_head import for_cpu_kernels
     from jaxinfer.models.attention import full_sequence_attention
     from jaxinfer.models.llama import forward
 
     model, proposer = eagle_llm.model, eagle_llm.engine.proposer
     float_head, window = load_head(DEFAULT_HEAD, model.config, model.dtype)
-    assert for_cpu_kernels(float_head).keys() == proposer.head.keys()
+    assert model.backend.eagle_head_layout(float_head).keys() == proposer.head.keys()
     ids = np.asarray(eagle_llm.tokenizer.encode(" ".join(PROMPTS) * 6), np.int32)
     positions = jnp.arange(len(ids), dtype=jnp.int32)[None]
     features = np.asarray(forward(model.params, model.config, jnp.asarray(ids)[None], positions,
-                                  full_sequence_attention(positions), final_norm=False)[0][0])
+                                  full_sequence_attention(positions), backend=model.backend, final_norm=False)[0][0])
     # A window ending at every position from `window` on: entries q (token x_q, feature f_{q-1}).
     ends = np.arange(window, len(ids))
     tokens = np.stack([ids[e - window + 1: e + 1] for e in ends])
     feats = np.stack([features[e - window: e] for e in ends])
     args = (tokens, feats, (ends - window + 1).astype(np.int32), np.full(len(ends), window, np.int32))
-    reference = np.asarray(draft_tokens(float_head, model.params, *args, config=model.config, num_drafts=2))
-    drafts = np.asarray(draft_tokens(proposer.head, model.params, *args, config=model.config, num_drafts=2))
+    options = dict(config=model.config, num_drafts=2, backend=model.backend)
+    reference = np.asarray(draft_tokens(float_head, model.params, *args, **options))
+    drafts = np.asarray(draft_tokens(proposer.head, model.params, *args, **options))
     assert (drafts[:, 0] == reference[:, 0]).mean() >= 0.9

@@ -233,7 +233,7 @@ def test_skip_special_tokens_false_keeps_them_in_text(default_llm):
 
 
 def test_freed_host_memory_is_reused_without_page_faults():
-    """keep_freed_host_memory (called by every CPU engine): a 64 MB block,
+    """keep_freed_host_memory (the CPU backend calls it at every engine start): a 64 MB block,
     allocated, written and freed again and again, page-faults once, not on
     every round, as the kernel's own fault counter shows. (XLA:CPU allocates
     each call's temporaries this way; glibc's default maps a fresh block
@@ -246,7 +246,7 @@ def test_freed_host_memory_is_reused_without_page_faults():
 
     child = """
 import ctypes, json, resource
-from jaxinfer.utils import keep_freed_host_memory
+from jaxinfer.backends.host_memory import keep_freed_host_memory
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]

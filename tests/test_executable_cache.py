@@ -20,20 +20,28 @@ from tests.tiny_models import hf_greedy, make_hf_model, save_hf_model
 CHILD = """
 import json, sys
 from jaxinfer import LLM, SamplingParams
-llm = LLM(sys.argv[1], max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, background_compile=False,
-          progress=False)
+
+def start():
+    return LLM(sys.argv[1], max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, background_compile=False,
+               progress=False)
+
+llm = start()
 prompts = json.loads(sys.argv[2])
 outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
 runner = llm.engine.runner
 print("RESULT " + json.dumps({"loaded": runner.num_loaded, "programs": len(runner.programs()),
                               "tokens": [o.outputs[0].token_ids for o in outs]}))
 """
+# The same, with an engine started (and its programs stored) first in the same process.
+CHILD_SECOND_START = CHILD.replace("llm = start()", "del start().engine\nllm = start()")
 
 
-def start(model_dir: Path, cache_dir: Path, prompts: list) -> dict:
+def start(model_dir: Path, cache_dir: Path, prompts: list, child: str = CHILD, devices: int = 1) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "JAXINFER_DISABLE_COMPILATION_CACHE"}
     env["JAXINFER_CACHE_DIR"] = str(cache_dir)
-    out = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), json.dumps(prompts)], env=env,
+    if devices > 1:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    out = subprocess.run([sys.executable, "-c", child, str(model_dir), json.dumps(prompts)], env=env,
                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -73,3 +81,16 @@ def test_second_start_loads_every_program_and_matches_transformers(tiny, tmp_pat
     assert third["loaded"] == 0
     assert third["tokens"] == expected
     assert entries(cache) == []
+
+
+def test_single_device_engine_restarts_on_a_host_with_several_devices(tiny, tmp_path):
+    """A host with several devices (8 GPUs; here 8 forced CPU devices) running
+    a single-device engine: its second start in the process loads the
+    programs the first stored, and they run on the engine's one device
+    (they were once loaded for all 8 and failed, wanting 8 shards)."""
+    hf_model, model_dir = tiny
+    prompts = [np.random.default_rng(1).integers(0, 128, 5).tolist()]
+    expected = [hf_greedy(hf_model, p, 10) for p in prompts]
+    second = start(model_dir, tmp_path / "cache", prompts, child=CHILD_SECOND_START, devices=8)
+    assert second["loaded"] == second["programs"] > 0
+    assert second["tokens"] == expected

@@ -14,9 +14,9 @@ import pytest
 import jaxinfer
 from jaxinfer.loading.checkpoint import default_model_path
 from jaxinfer.models.attention import full_sequence_attention
-from jaxinfer.models.llama import compute_logits, forward
+from jaxinfer.models.llama import forward
+from jaxinfer.native import matmul as cpu_matmul
 from jaxinfer.perplexity import perplexity_of_text
-from jaxinfer.quant import cpu_matmul
 from jaxinfer.quant.params import LINEAR_KEYS
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize
 
@@ -45,8 +45,10 @@ def test_every_linear_weight_multiplies_int8_blocks_in_the_kernel(a8_model):
 
     def logits(params, tokens):
         positions = np.arange(tokens.shape[1])[None]
-        hidden, _ = forward(params, a8_model.config, tokens, positions, full_sequence_attention(positions))
-        return compute_logits(params, hidden)
+        backend = a8_model.backend
+        hidden, _ = forward(params, a8_model.config, tokens, positions, full_sequence_attention(positions),
+                            backend=backend)
+        return backend.logits(params, hidden)
 
     text = jax.jit(logits).lower(a8_model.params, prompt).as_text()
     # Seven per layer inside the scan, plus the head.

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 
 from jaxinfer.models import paged_attention
-from jaxinfer.models.llama import compute_logits, forward
+from jaxinfer.models.llama import forward
 from jaxinfer.models.paged_attention import (
     PagedAttentionMetadata,
     multi_query_attention_reference,
     paged_attention_reference,
-    paged_cache_attention,
     verification_attention,
 )
 
@@ -136,9 +135,10 @@ def test_chunked_prefill_through_paged_cache_equals_full_forward(tmp_path, backe
 
     @functools.partial(jax.jit, static_argnames="decode")
     def step(params, tokens, meta, cache, decode):
-        attention = paged_cache_attention(meta, backend=backend, decode=decode)
-        hidden, cache = forward(params, c, tokens[None], meta.positions[None], attention, cache)
-        return compute_logits(params, hidden[0]), cache
+        ops = model.backend.with_attention(backend)
+        attention = ops.paged_attention(meta, None, decode, None)
+        hidden, cache = forward(params, c, tokens[None], meta.positions[None], attention, cache, backend=ops)
+        return ops.logits(params, hidden[0]), cache
 
     computed, got = [0, 0], [[], []]
     for chunk, decode in (([7, 9], False), ([1, 1], True), ([10, 1], False), ([5, 1], False)):

@@ -13,7 +13,7 @@ import jaxinfer
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.loading.gguf import blocks_to_quantized, unpermute_rows
 from jaxinfer.loading.model import Model
-from jaxinfer.quant import cpu_matmul
+from jaxinfer.native import matmul as cpu_matmul
 from jaxinfer.quant.linear import linear
 from jaxinfer.quant.params import LINEAR_KEYS, params_nbytes, quantize_params
 from jaxinfer.quant.schemes import quantize
@@ -149,7 +149,7 @@ def test_gguf_direct_load_equals_dequantized_load(tmp_path, tiny_llama, qtype):
         assert isinstance(w, QuantizedTensor) and (w.scheme, w.group_size) == (scheme, 32), key
         np.testing.assert_array_equal(np.asarray(dequantize(w)), np.asarray(reference.params["layers"][key]), key)
     head = direct.params["lm_head"]
-    assert isinstance(head, QuantizedTensor) == (jax.default_backend() != "cpu")
+    assert isinstance(head, QuantizedTensor) == direct.backend.keeps_gguf_head_quantized()
     head = dequantize(head) if isinstance(head, QuantizedTensor) else head
     np.testing.assert_array_equal(np.asarray(head), np.asarray(reference.params["lm_head"]))
     np.testing.assert_array_equal(np.asarray(direct.params["embed"]), np.asarray(reference.params["embed"]))
@@ -244,18 +244,19 @@ def test_default_model_head_reads_the_files_blocks(default_float):
     kernel (decode up to FEW_ROW_HEAD_MAX_ROWS sequences): its values are
     the float table's exactly, and the logits of one row and of a batch of
     64 through it match the float model's."""
-    from jaxinfer.models.llama import FEW_ROW_HEAD_MAX_ROWS, compute_logits
+    from jaxinfer.backends.cpu import FEW_ROW_HEAD_MAX_ROWS
 
     model = jaxinfer.load(progress=False)
     head = model.params["few_row_head"]
     assert (head.scheme, head.group_size) == ("int8", 32)
     np.testing.assert_array_equal(np.asarray(dequantize(head)).T, np.asarray(default_float.params["embed"]))
-    logits = jax.jit(compute_logits)
+    logits = jax.jit(model.backend.logits)
     for rows in (1, 64):
         assert rows <= FEW_ROW_HEAD_MAX_ROWS
         hidden = jax.random.normal(jax.random.key(rows), (1, rows, model.config.hidden_size), jnp.float32)
         assert cpu_matmul.TARGET_NAME in logits.lower(model.params, hidden).as_text()
-        assert_logits_close(logits(model.params, hidden), compute_logits(default_float.params, hidden), rtol=1e-4)
+        assert_logits_close(logits(model.params, hidden), default_float.backend.logits(default_float.params, hidden),
+                            rtol=1e-4)
 
 
 @pytest.fixture(scope="module")

@@ -175,7 +175,7 @@ def check_eagle_drafts(llm, calls) -> None:
             ids = jnp.asarray(seq_tokens, jnp.int32)[None]
             positions = jnp.arange(len(seq_tokens), dtype=jnp.int32)[None]
             feats, _ = forward(model.params, config, ids, positions, full_sequence_attention(positions),
-                               final_norm=False)
+                               backend=model.backend, final_norm=False)
             np.testing.assert_allclose(call["features"][row, :length], np.asarray(feats[0, first - 1: first - 1 + length]),
                                        rtol=1e-4, atol=1e-4)
             entries_tokens, entries_feats = list(tokens), list(call["features"][row, :length])
@@ -184,8 +184,8 @@ def check_eagle_drafts(llm, calls) -> None:
                 f = jnp.asarray(np.stack(entries_feats))[None]
                 pos = first + jnp.arange(len(entries_tokens), dtype=jnp.int32)[None]
                 out, _ = head_features(proposer.head, model.params, config, t, f, pos,
-                                       window_attention(jnp.ones(t.shape, bool)))
-                logits = draft_logits(proposer.head, model.params, config, out[0, -1])
+                                       window_attention(jnp.ones(t.shape, bool)), backend=model.backend)
+                logits = draft_logits(proposer.head, model.params, config, out[0, -1], backend=model.backend)
                 if "d2t" in proposer.head:  # the draft vocabulary's argmax, as the target id it stands for
                     assert logits.shape == (96,)
                     token = int(np.asarray(proposer.head["d2t"])[int(jnp.argmax(logits))])

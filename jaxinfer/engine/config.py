@@ -7,19 +7,15 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxinfer.backends import backend_class
 from jaxinfer.engine.spec.config import SpeculativeConfig
 from jaxinfer.loading.model import Model
 from jaxinfer.models import kv_cache
-from jaxinfer.models.paged_attention import ATTENTION_BACKENDS
+from jaxinfer.models.paged_attention import check_attention_backend
 from jaxinfer.parallel.mesh import context_parallel_size
 
 CPU_KV_CACHE_BYTES = 512 * 2**20  # default pool size without a GPU to measure
 
-
-# (max_num_seqs, max_num_batched_tokens). Every (tokens, seqs) bucket pair is
-# compiled at start-up, so CPU keeps the grid small (20 programs); a GPU
-# needs wide batches to fill it.
-_PLATFORM_DEFAULTS = {"cpu": (16, 256), "gpu": (128, 2048)}
 
 
 @dataclass
@@ -28,12 +24,15 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.9
-    # None: chosen by platform (see _PLATFORM_DEFAULTS).
+    # None: the platform backend's defaults (backends/: every (tokens, seqs)
+    # bucket pair compiles at start-up, so CPU keeps the grid small; a GPU
+    # needs wide batches to fill it).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
-    # None: "pallas" on GPU, "xla" elsewhere (see models/paged_attention.py).
+    # None: the platform backend's default ("pallas" on GPU, "xla" elsewhere;
+    # see models/paged_attention.py and backends/).
     attention_backend: str | None = None
     # "auto" (the model's dtype), "int8" or "fp8" (see models/kv_cache.py).
     kv_cache_dtype: str = "auto"
@@ -43,6 +42,12 @@ class EngineConfig:
     # Structured outputs: seconds a request waits for its grammar to compile
     # before it fails (the compile runs on a worker thread, off the step path).
     structured_outputs_compile_timeout: float = 10.0
+    # Schedule and launch step N + 1 while step N runs on the device
+    # (engine/engine.py); None: the platform backend's default (on with a
+    # GPU, where the host's share of a step is largest; off on CPU, where
+    # the host work would share the cores the step runs on). Not with
+    # speculative decoding (a step's drafts come from the previous step's outputs).
+    async_scheduling: bool | None = None
     # Serve once the largest bucket of each layout is compiled and compile the
     # rest on a thread (engine/runner.py warmup); False compiles all first.
     # Always False across processes: lockstep hosts must pick the same buckets.
@@ -54,15 +59,17 @@ class EngineConfig:
     max_lora_rank: int = 16
 
     def __post_init__(self):
-        platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
-        seqs, tokens = _PLATFORM_DEFAULTS[platform]
-        self.max_num_seqs = self.max_num_seqs or seqs
-        self.max_num_batched_tokens = self.max_num_batched_tokens or tokens
-        self.attention_backend = self.attention_backend or ("pallas" if platform == "gpu" else "xla")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        platform = backend_class()
+        self.max_num_seqs = self.max_num_seqs or platform.max_num_seqs
+        self.max_num_batched_tokens = self.max_num_batched_tokens or platform.max_num_batched_tokens
+        self.attention_backend = check_attention_backend(self.attention_backend or platform.default_attention)
         kv_cache.check_kv_cache_dtype(self.kv_cache_dtype)
         self.speculative = SpeculativeConfig.parse(self.speculative)
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError("async_scheduling does not work with speculative decoding (each step's drafts come "
+                             "from the previous step's outputs); leave it unset or False")
+        if self.async_scheduling is None:
+            self.async_scheduling = platform.async_scheduling and self.speculative is None
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

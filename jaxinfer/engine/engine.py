@@ -3,9 +3,22 @@
 One step, speculative or not, is one path:
 
     Scheduler.schedule()     host: who runs, with how many tokens (drafts included)
-    ModelRunner.run()        device: forward, then sampling or draft verification
+    ModelRunner.launch()     device: forward, then sampling or draft verification
+    ModelRunner.complete()   the step's tokens on the host
     OutputProcessor.process  host: append emitted tokens, check stops, free finished
     proposer.after_step()    host/device: drafts for the next step (engine/spec/)
+
+Async scheduling (`async_scheduling`, on by default on a GPU; vLLM's async
+scheduling, SGLang's overlap scheduler): the host's work for step N + 1
+runs while step N runs on the device. After launching step N the engine
+applies its progress at once (OutputProcessor.expect: each emitting
+sequence gets a pending token), schedules and launches step N + 1, whose
+rows take those pending tokens from step N's sampled tokens on the device,
+and only then fetches and processes step N's outputs. A sequence that step
+N finished (EOS, a stop string) was scheduled into step N + 1 in vain: its
+row there is dropped. Steps whose next step needs their tokens on the host
+first run as before, one at a time: structured outputs (the next mask),
+penalties (the next counts) and speculative decoding (the next drafts).
 
 Bad requests are rejected at add_request with a RequestError naming the
 problem; the engine keeps serving the others. A request's LoRA adapter is
@@ -37,8 +50,8 @@ from jaxinfer.engine.config import EngineConfig, check_context_parallel, choose_
 from jaxinfer.engine.executable_cache import ExecutableCache
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.request import RequestState
-from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.runner import Launched, ModelRunner
+from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 from jaxinfer.engine.spec.proposer import build_proposer
 from jaxinfer.errors import RequestError
@@ -49,7 +62,6 @@ from jaxinfer.parallel.mesh import context_parallel_size
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.structured.grammar import GrammarCompiler, GrammarError, grammar_text
 from jaxinfer.structured.matcher import StructuredState
-from jaxinfer.utils import keep_freed_host_memory
 
 
 log = logging.getLogger(__name__)
@@ -71,8 +83,7 @@ class LLMEngine:
         num_blocks = choose_num_blocks(model, config, extra)
         cache = kv_cache.allocate_kv_cache(model.config, num_blocks, config.block_size, model.dtype,
                                            config.kv_cache_dtype, mesh=model.mesh)
-        if jax.default_backend() == "cpu":
-            keep_freed_host_memory()  # the steps' temporaries are host memory there (utils.py says why)
+        model.backend.start_engine()
         cp = context_parallel_size(model.mesh)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, cp)
         # The longest context one sequence can hold: the whole pool, every context device's share.
@@ -87,14 +98,17 @@ class LLMEngine:
                                   model.dtype, mesh=model.mesh)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy,
-            lora_slots=self.lora,
+            lora_slots=self.lora, max_model_len=config.max_model_len,
         )
+        # Async scheduling: the launched step whose outputs are not processed yet.
+        self._in_flight: tuple[ScheduledBatch, Launched] | None = None
         # The draft model's pool has as many blocks as the target's.
         self.proposer = build_proposer(spec, draft or model, config, num_blocks, progress)
         self.scheduler.on_release = self.proposer.release
         self.runner = ModelRunner(
             model.config, model.params, cache, config.block_size, config.max_model_len, config.max_num_seqs,
-            config.max_num_batched_tokens, config.attention_backend, config.num_speculative_tokens,
+            config.max_num_batched_tokens, model.backend.with_attention(config.attention_backend),
+            config.num_speculative_tokens,
             with_features=self.proposer.needs_features, mesh=model.mesh, lora=self.lora,
             executable_cache=ExecutableCache.default(model.mesh),
         )
@@ -274,12 +288,13 @@ class LLMEngine:
         for seq in state.sequences:
             if not seq.is_finished:
                 seq.output.finish_reason = "abort"
+                seq.num_pending = 0  # an in-flight step's token for it is dropped (OutputProcessor.process)
                 self.scheduler.finish(seq)
         state.metrics.finished_time = time.perf_counter()
         return state.output()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None
 
     # -- one step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -289,22 +304,44 @@ class LLMEngine:
         device_before = self.runner.device_time + self.proposer.device_time
         failed = self._admit_compiled() if self._pending else []
         batch = self.scheduler.schedule()
-        if not batch.sequences:
+        if not batch.sequences and self._in_flight is None:
             if self._pending and not failed:  # nothing to run but grammars compiling: wait, not spin
                 concurrent.futures.wait([f for _, f, _ in self._pending], timeout=0.01,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
             return failed
-        now = time.perf_counter()
-        for seq in batch.sequences:
-            seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        tables = [self.block_manager.block_table(s.seq_id) for s in batch.sequences]
-        out = self.runner.run(batch, tables)
-        outputs = self.output_processor.process(batch, out, self.requests)
-        self.proposer.after_step(batch, out, start)
+        launched = None
+        if batch.sequences:
+            now = time.perf_counter()
+            for seq in batch.sequences:
+                seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
+            tables = [self.block_manager.block_table(s.seq_id) for s in batch.sequences]
+            launched = (batch, self.runner.launch(batch, tables))
+        outputs = []
+        if self._in_flight is not None:  # the previous step, behind which this one is queued
+            outputs = self._complete(*self._in_flight, start)
+            self._in_flight = None
+        if launched is not None:
+            if self._overlaps(batch):
+                self.output_processor.expect(batch, launched[1].num_emitted)
+                self._in_flight = launched
+            else:
+                outputs += self._complete(*launched, start)
         device = self.runner.device_time + self.proposer.device_time - device_before
         self.device_time += device
         self.host_time += time.perf_counter() - start - device
         return failed + outputs
+
+    def _overlaps(self, batch: ScheduledBatch) -> bool:
+        """Whether the next step may be scheduled before this one's outputs
+        are processed (async scheduling; the module docstring says when not)."""
+        return self.config.async_scheduling and not batch.verifies_drafts and not any(
+            s.structured is not None or s.params.uses_penalties for s in batch.sequences)
+
+    def _complete(self, batch: ScheduledBatch, launched: Launched, start: float) -> list[RequestOutput]:
+        out = self.runner.complete(launched)
+        outputs = self.output_processor.process(batch, out, self.requests)
+        self.proposer.after_step(batch, out, start)
+        return outputs
 
     def outstanding_tokens(self) -> tuple[int, int]:
         """(prompt tokens not yet computed, tokens still to generate) over

@@ -17,7 +17,7 @@ Two rules keep a stored program runnable:
   back from its own persistent cache serializes again without its machine
   code (XLA:CPU keeps none for it) and fails at run time ("Function ... not
   found"); JAX reports such a hit as an event on the compiling thread.
-- The native kernels (utils.native_ffi_target) a program may call are found
+- The native kernels (native/build.py, native_ffi_target) a program may call are found
   by name when it runs: an entry lists those registered when it was compiled,
   and loading registers them again (a miss where one cannot be built).
 
@@ -40,8 +40,8 @@ from pathlib import Path
 import jax
 from jax.experimental import serialize_executable
 
-from jaxinfer.utils import (compilation_cache_dir, cpu_flags, cxx_compiler, native_ffi_target,
-                            registered_ffi_targets)
+from jaxinfer.native.build import cpu_flags, cxx_compiler, native_ffi_target, registered_ffi_targets
+from jaxinfer.utils import compilation_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,11 @@ PACKAGE = Path(__file__).parent.parent
 class ExecutableCache:
     def __init__(self, directory: Path):
         self.directory = Path(directory)
-        device = jax.devices()[0]
+        # The one device the engine's single-device programs run on. A loaded
+        # program is bound to it explicitly: deserialize_and_load's default is
+        # every device of the platform, and on a host with several (8 GPUs, or
+        # forced CPU devices) the program then expected one shard per device.
+        self.device = device = jax.devices()[0]
         # What every key shares: the device, the CPU's flags and the
         # environment that steers lowering, the same for the whole process.
         self._environment = [
@@ -100,10 +104,10 @@ class ExecutableCache:
                  *self._environment]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
-    def load_all(self, keys: dict) -> dict:
+    def load_all(self, keys: dict, threads: int = LOAD_THREADS) -> dict:
         """{program: executable} for each program of `keys` ({program: key})
-        that is stored and loads; the others are left out."""
-        with ThreadPoolExecutor(LOAD_THREADS) as pool:
+        that is stored and loads (on `threads` threads); the others are left out."""
+        with ThreadPoolExecutor(threads) as pool:
             loaded = dict(zip(keys, pool.map(self.load, keys.values())))
         return {program: executable for program, executable in loaded.items() if executable is not None}
 
@@ -121,15 +125,17 @@ class ExecutableCache:
                    for target, (source, symbol) in targets.items()):
             return None
         try:
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                             execution_devices=[self.device])
         except Exception as error:
             log.warning("could not load executable cache entry %s: %s", path, error)
             return None
 
-    def compile(self, lowered, key: str):
-        """Compile `lowered` and store the executable under `key`, when XLA compiled it here."""
+    def compile(self, lowered, key: str, compiler_options: dict | None = None):
+        """Compile `lowered` (with XLA `compiler_options`, which the key must
+        cover) and store the executable under `key`, when XLA compiled it here."""
         _persistent_cache_hit.value = False
-        executable = lowered.compile()
+        executable = lowered.compile(compiler_options)
         if _persistent_cache_hit.value:
             log.info("not storing %s: JAX's persistent cache served it, and its copy cannot be serialized again", key)
             return executable

@@ -11,6 +11,13 @@ and finishes sequences, freeing their blocks.
 
 Structured outputs: every emitted token advances the sequence's matcher; the
 sequence stops ("stop") once its grammar is complete and allows only EOS.
+
+Async scheduling (engine.py): `expect` applies a step's progress the moment
+it is launched (computed tokens, and a pending token for each sequence that
+emits), so the next step can be scheduled at once; `process` later turns
+each pending token into the real one through the same checks. A sequence
+that finished (or was aborted) in between is skipped, and one preempted in
+between gets its token without touching blocks it no longer holds.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.request import RequestState
 from jaxinfer.engine.runner import StepOutput
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
-from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.sequence import Sequence, SequenceStatus
 from jaxinfer.outputs import CompletionOutput, Logprob, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -40,32 +47,48 @@ class OutputProcessor:
         self.num_accepted_tokens = 0
         self.num_verifications = 0
 
+    def expect(self, batch: ScheduledBatch, num_emitted) -> None:
+        """Async scheduling, right after `batch` is launched (no drafts): its
+        sequences' computed tokens, and a pending token for each that emits."""
+        for i, seq in enumerate(batch.sequences):
+            seq.num_computed_tokens = batch.num_computed_tokens[i] + batch.num_new_tokens[i]
+            seq.num_pending += int(num_emitted[i])
+        batch.expected = True
+
     def process(self, batch: ScheduledBatch, out: StepOutput, requests: dict[str, RequestState]) -> list[RequestOutput]:
         """Apply one step's output; returns the requests that made progress
         (finished ones for the last time: they are removed from `requests`)."""
         now = time.perf_counter()
         touched: dict[str, RequestState] = {}
         for i, seq in enumerate(batch.sequences):
+            if seq.is_finished:  # async: finished or aborted while this step ran
+                continue
             num_drafts, num_emitted = batch.num_drafts[i], int(out.num_emitted[i])
             seq.draft_token_ids = []
             # K/V of the tokens before the one a row emits are valid: all new
             # tokens but the drafts, then one more per accepted draft.
             computed = batch.num_computed_tokens[i] + batch.num_new_tokens[i] - num_drafts
-            seq.num_computed_tokens = computed
             if num_drafts:
                 self.num_draft_tokens += num_drafts
                 self.num_accepted_tokens += num_emitted - 1
                 self.num_verifications += 1
+            if batch.expected:  # its progress is applied (expect); the pending token becomes this one
+                seq.num_pending -= num_emitted
+            valid = computed  # tokens whose K/V this step made valid
             for j in range(num_emitted):
-                seq.num_computed_tokens = computed + j
+                valid = computed + j
                 self._append_token(seq, int(out.token_ids[i, j]), out, i, now)
                 if seq.output.finish_reason is not None:
                     break
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids(), seq.num_computed_tokens)
-            self.block_manager.trim(seq.seq_id, seq.num_tokens)
+            if not batch.expected:
+                seq.num_computed_tokens = valid
+            if seq.status is SequenceStatus.RUNNING:  # not preempted while an async step ran
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids(), valid)
+                self.block_manager.trim(seq.seq_id, seq.num_tokens)
             if num_emitted:
                 touched[seq.request_id] = requests[seq.request_id]
             if seq.output.finish_reason is not None:
+                seq.num_pending = 0  # a later step's token for it is dropped
                 self.scheduler.finish(seq)
         results = []
         for state in touched.values():
@@ -108,7 +131,8 @@ class OutputProcessor:
             if completion.finish_reason is None:
                 _cut_at_stop_string(completion, params.stop)
         if completion.finish_reason is None and (
-            len(completion.token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len
+            len(completion.token_ids) >= params.max_tokens
+            or len(seq.prompt_token_ids) + len(completion.token_ids) >= self.max_model_len
         ):
             completion.finish_reason = "length"
         if completion.finish_reason is not None and seq.detokenizer is not None and not isinstance(

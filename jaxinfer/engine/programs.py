@@ -13,6 +13,9 @@
                          its drafts), logits at every row, attention with one
                          context gather per sequence (models/paged_attention.py)
     sample   one token per sequence from its logits (engine/sampler.py),
+             and the same tokens padded to a fixed size, for the next
+             step's forward to take as inputs on the device (async
+             scheduling, engine/engine.py);
              after structured outputs' token bitmask (under a lax.cond:
              steps without a constrained row skip it, and no variant is
              added); the
@@ -54,8 +57,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.sampler import sample
 from jaxinfer.engine.verify import verify, verify_greedy
 from jaxinfer.models.layers import rms_norm
-from jaxinfer.models.llama import compute_logits, forward
-from jaxinfer.models.paged_attention import paged_cache_attention, verification_attention
+from jaxinfer.models.llama import forward
 from jaxinfer.models.ring_attention import ring_cache_attention
 from jaxinfer.parallel.mesh import CONTEXT_AXIS, MODEL_AXIS, context_parallel_size, tensor_parallel_size
 from jaxinfer.sampling_params import MAX_LOGPROBS
@@ -83,23 +85,30 @@ def _gathered_logits(logits, mesh):
     return _replicated(logits, mesh)
 
 
-def _attention(attn_meta, config: ModelConfig, backend: str, layout: str, num_tokens: int, mesh):
+def _attention(attn_meta, config: ModelConfig, backend, layout: str, num_tokens: int, mesh):
     if context_parallel_size(mesh) > 1:  # the pool's blocks are split over devices: ring attention
         return ring_cache_attention(attn_meta, config.sliding_window, layout == "decode", mesh)
     if layout == "verify":
         rows = num_tokens // attn_meta.context_lens.shape[0]
-        return verification_attention(attn_meta, rows, config.sliding_window, backend, mesh)
-    return paged_cache_attention(attn_meta, config.sliding_window, backend, layout == "decode", mesh)
+        return backend.verification_attention(attn_meta, rows, config.sliding_window, mesh)
+    return backend.paged_attention(attn_meta, config.sliding_window, layout == "decode", mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "layout", "with_features", "mesh"),
                    donate_argnames=("kv_cache",))
-def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, lora_slots=None, *, config: ModelConfig,
-                 backend: str, layout: str, with_features: bool = False, mesh=None):
+def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, lora_slots=None, feed=None, feed_index=None, *,
+                 config: ModelConfig, backend, layout: str, with_features: bool = False, mesh=None):
     """-> (logits [len(logits_indices), V], pre-norm hidden [T, hidden] or None, kv_cache).
+    backend: the model's platform backend (backends/), with the engine's
+    attention_backend option set in it.
     lora_slots: None, or each row's adapter slot int32 [T] with the adapter
     buffers in params["layers"]["lora"] (lora/slots.py); None traces the
-    program without any LoRA input or work."""
+    program without any LoRA input or work.
+    feed int32 [F], feed_index int32 [T] (async scheduling): row t's token is
+    feed[feed_index[t]] where feed_index[t] >= 0, the previous step's sampled
+    token still on the device (sample_step's feed), else tokens[t]."""
+    if feed is not None:
+        tokens = jnp.where(feed_index >= 0, feed[jnp.maximum(feed_index, 0)], tokens)
     attention = _attention(attn_meta, config, backend, layout, tokens.shape[0], mesh)
     positions = attn_meta.positions
     if context_parallel_size(mesh) > 1 and layout == "mixed":
@@ -108,38 +117,48 @@ def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, lora_slots
         # and stay replicated (models/ring_attention.py).
         rows = NamedSharding(mesh, PartitionSpec(CONTEXT_AXIS))
         tokens, positions = jax.lax.with_sharding_constraint((tokens, positions), rows)
-    pre, kv_cache = forward(params, config, tokens[None], positions[None], attention, kv_cache,
-                            final_norm=False, lora_slots=None if lora_slots is None else lora_slots[None],
-                            native_weights=mesh is None)
+    pre, kv_cache = forward(params, config, tokens[None], positions[None], attention, kv_cache, backend=backend,
+                            final_norm=False, lora_slots=None if lora_slots is None else lora_slots[None])
     hidden = rms_norm(pre[0], params["final_norm"], config.rms_norm_eps)
     # Logits only where a token is sampled. On a mesh they come out split on
     # vocab; the sampler needs whole rows, so gather them here, once, in a
     # sharding the sampler's programs are compiled for.
     features = pre[0] if with_features else None
-    logits = compute_logits(params, hidden[logits_indices], native_weights=mesh is None)
+    logits = backend.logits(params, hidden[logits_indices])
     return _gathered_logits(logits, mesh), features, kv_cache
 
 
-@functools.partial(jax.jit, static_argnames=("full", "mesh"))
-def sample_step(logits, sampling_meta, penalty_inputs, bitmask, constrained, *, full: bool, mesh=None):
-    """bitmask int32 [S, ceil(V / 32)], constrained bool [S]: structured
-    outputs' allowed tokens, applied under a lax.cond, so a step with no
-    constrained row (all False, a resident zero mask) skips it."""
+@functools.partial(jax.jit, static_argnames=("full", "conditional", "feed_size", "mesh"))
+def sample_step(logits, sampling_meta, penalty_inputs, bitmask, constrained, *, full: bool, conditional: bool,
+                feed_size: int, mesh=None):
+    """-> (SamplerOutput, feed int32 [feed_size]: the sampled tokens padded
+    with zeros, which the next step's forward can read on the device).
+    bitmask int32 [S, ceil(V / 32)], constrained bool [S]: structured
+    outputs' allowed tokens. conditional (the backend's conditional_skips):
+    work only some rows need, the mask among it, sits under a lax.cond, so a
+    step with no constrained row (all False, a resident zero mask) skips it
+    (engine/sampler.py)."""
     prompt_mask, output_counts = penalty_inputs if full else (None, None)
     num_logprobs = MAX_LOGPROBS if full else 0
-    return _replicated(sample(logits, sampling_meta, prompt_mask, output_counts, num_logprobs=num_logprobs,
-                              bitmask=bitmask, constrained=constrained), mesh)
+    out = sample(logits, sampling_meta, prompt_mask, output_counts, num_logprobs=num_logprobs, bitmask=bitmask,
+                 constrained=constrained, conditional=conditional)
+    feed = jnp.zeros((feed_size,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+    return _replicated((out, feed), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh",))
-def verify_step(logits, draft_tokens, num_drafts, sampling_meta, *, mesh=None):
+@functools.partial(jax.jit, static_argnames=("conditional", "mesh"))
+def verify_step(logits, draft_tokens, num_drafts, sampling_meta, *, conditional: bool, mesh=None):
     """logits [S * (1 + K), V] of a verify forward -> (tokens [S, 1 + K],
-    num_emitted [S], the first rows' logits [S, V])."""
+    num_emitted [S], the first rows' logits [S, V]). A batch of greedy rows
+    takes the greedy rule (under a lax.cond where `conditional`; else both
+    rules run and the batch's is selected)."""
     num_seqs, k = draft_tokens.shape
     logits = logits.reshape(num_seqs, 1 + k, -1)
-    tokens, num_emitted = jax.lax.cond(
-        jnp.all(sampling_meta.temperature <= 0.0),
-        lambda: verify_greedy(logits, draft_tokens, num_drafts),
-        lambda: verify(logits, draft_tokens, num_drafts, sampling_meta),
-    )
+    all_greedy = jnp.all(sampling_meta.temperature <= 0.0)
+    greedy = lambda: verify_greedy(logits, draft_tokens, num_drafts)  # noqa: E731
+    sampled = lambda: verify(logits, draft_tokens, num_drafts, sampling_meta)  # noqa: E731
+    if conditional:
+        tokens, num_emitted = jax.lax.cond(all_greedy, greedy, sampled)
+    else:
+        tokens, num_emitted = jax.tree.map(lambda a, b: jnp.where(all_greedy, a, b), greedy(), sampled())
     return _replicated((tokens, num_emitted), mesh) + (logits[:, 0],)

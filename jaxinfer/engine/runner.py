@@ -3,13 +3,15 @@
 one StepOutput back to the host, whatever kind of step it was.
 
 Buckets: a pure-decode step (one new token per sequence) runs in (n, n) for
-n a power of two from 1 up to max_num_seqs: no padding tokens, and the
-Pallas backend serves it with its split-k decode kernel. Other steps pad the
-flattened token count to a power of two from 16 up to max_num_batched_tokens
-and the sequence count to a power of two from 8 up to max_num_seqs. With K
-speculative tokens, a step that verifies drafts runs in (n (1 + K), n) for the
-decode buckets n. Everything compiles at warm-up; a compilation after
-warm-up is counted and logged as an error.
+n one of the backend's decode buckets (CPU: every power of two from 1 up to
+max_num_seqs; GPU: powers of four), and the Pallas attention serves it with
+its split-k decode kernel. Other steps pad the flattened token count to a
+power of two from 16 up to max_num_batched_tokens and the sequence count to
+one of the backend's buckets for that many tokens (CPU: every power of two
+from 8 up to max_num_seqs; GPU: one). With K speculative tokens, a step that
+verifies drafts runs in (n (1 + K), n) for the decode buckets n. Everything
+compiles at warm-up; a compilation after warm-up is counted and logged as
+an error.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -26,12 +29,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.executable_cache import ExecutableCache
+from jaxinfer.engine.executable_cache import LOAD_THREADS, ExecutableCache
 from jaxinfer.engine.inputs import StepInputs, build_inputs
 from jaxinfer.engine.programs import forward_step, sample_step, verify_step
 from jaxinfer.engine.sampler import SamplingMetadata, make_penalty_inputs
 from jaxinfer.engine.scheduler import ScheduledBatch
-from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.sequence import PLACEHOLDER, Sequence
 from jaxinfer.structured.matcher import bitmask_width, fill_masks
 from jaxinfer.utils import bucket_size, powers_of_two
 
@@ -60,12 +63,25 @@ class StepOutput(NamedTuple):
     row_start: np.ndarray
 
 
+class Launched(NamedTuple):
+    """A step on the device whose sampled tokens the host has not fetched yet
+    (ModelRunner.launch; complete() fetches them)."""
+
+    sampled: object  # the sampler's output on the device (None: every sequence verified drafts)
+    token_ids: np.ndarray | None  # host tokens of a verification step, already fetched
+    num_emitted: np.ndarray
+    features: jax.Array | None
+    row_start: np.ndarray
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, params, kv_cache, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, attention_backend: str = "xla",
+                 max_num_seqs: int, max_num_batched_tokens: int, backend,
                  num_speculative_tokens: int = 0, sampling: bool = True, with_features: bool = False,
                  mesh=None, lora=None, executable_cache: ExecutableCache | None = None):
-        """sampling=False: forward programs only (a draft model's runner, whose
+        """backend: the model's platform backend (backends/) with the engine's
+        attention_backend option set in it; every forward runs through it.
+        sampling=False: forward programs only (a draft model's runner, whose
         proposer takes its own argmax of the logits). with_features: steps
         return StepOutput.features (what a proposer's `needs_features` asks).
         lora: the engine's LoRASlots (lora/slots.py), or None: every forward
@@ -75,7 +91,7 @@ class ModelRunner:
         self.config = config
         # The ("model",) mesh params and kv_cache are sharded over, or None (one device).
         self.mesh = mesh
-        self.attention_backend = attention_backend
+        self.backend = backend
         self.params = params
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -89,7 +105,7 @@ class ModelRunner:
         self.token_buckets = powers_of_two(16, max_num_batched_tokens)
         self.seq_buckets = powers_of_two(8, max_num_seqs)
         # Padding one decode token to 16 would multiply a memory-bound step's compute by 16.
-        self.decode_buckets = powers_of_two(1, max_num_seqs)
+        self.decode_buckets = backend.decode_buckets(max_num_seqs)
         # program -> its compiled executable (warmup, _run; one assignment per
         # program, so the serving thread may read it while another fills it);
         # the buckets whose programs are all compiled; the thread compiling
@@ -108,13 +124,21 @@ class ModelRunner:
         # Per seqs bucket, an all-zeros bitmask and all-False flags kept on the
         # device: what a step with no constrained row passes (nothing to send).
         self._no_masks: dict[int, tuple] = {}
+        # Async scheduling: the last launched step's sampled tokens, padded to
+        # feed_size (every sequence bucket fits), on the device, and each of
+        # its sequences' row in it; per token bucket, an all -1 feed index.
+        self.feed_size = max(self.decode_buckets + [s for t in self.token_buckets for s in self._mixed_seq_buckets(t)])
+        self._feed = self._put(np.zeros(self.feed_size, np.int32)) if mesh is not None else \
+            jax.device_put(np.zeros(self.feed_size, np.int32))
+        self._feed_rows: dict = {}
+        self._no_feed_indices: dict[int, jax.Array] = {}
 
     # -- buckets and warm-up -------------------------------------------------
     def buckets(self) -> list[tuple[int, int, str]]:
         """(tokens, seqs, layout) buckets of the forward program."""
         buckets = [(n, n, "decode") for n in self.decode_buckets]
         # >= 1 token per sequence, so seqs <= tokens.
-        buckets += [(t, s, "mixed") for t in self.token_buckets for s in self.seq_buckets if s <= t]
+        buckets += [(t, s, "mixed") for t in self.token_buckets for s in self._mixed_seq_buckets(t)]
         k = self.num_speculative_tokens
         return buckets + [(n * (1 + k), n, "verify") for n in self.decode_buckets if k]
 
@@ -142,13 +166,14 @@ class ModelRunner:
 
     def bucket(self, num_tokens: int, num_seqs: int, verify: bool = False) -> tuple[int, int, str]:
         if verify:
-            n = bucket_size(num_seqs, 1)
+            n = min(b for b in self.decode_buckets if b >= num_seqs)
             bucket = (n * (1 + self.num_speculative_tokens), n, "verify")
         elif num_tokens == num_seqs:
-            n = bucket_size(num_seqs, 1)
+            n = min(b for b in self.decode_buckets if b >= num_seqs)
             bucket = (n, n, "decode")
         else:
-            bucket = (bucket_size(num_tokens, 16), bucket_size(num_seqs, 8), "mixed")
+            tokens = bucket_size(num_tokens, 16)
+            bucket = (tokens, min(s for s in self._mixed_seq_buckets(tokens) if s >= num_seqs), "mixed")
         if bucket in self._ready:
             return bucket
         # Its programs are still compiling in the background (warmup): the
@@ -156,6 +181,10 @@ class ModelRunner:
         # rows and sequences are inert), at worst the largest, ready first.
         return min((b for b in self._ready if b[2] == bucket[2] and b[0] >= bucket[0] and b[1] >= bucket[1]),
                    default=bucket)
+
+    def _mixed_seq_buckets(self, num_tokens: int) -> list[int]:
+        """The sequence buckets compiled for mixed steps of num_tokens (a bucket) tokens: the backend's choice."""
+        return self.backend.mixed_seq_buckets(num_tokens, self.seq_buckets)
 
     def warmup(self, progress: bool = True, background: bool = False) -> None:
         """Compile every program of programs(), running none: the executables
@@ -168,8 +197,10 @@ class ModelRunner:
         smallest first; until a step's own bucket is ready, bucket() pads the
         step into a ready one, so no step ever waits for a compilation. That
         took the default model's start on the 2-core CPU from ~19 s to
-        BENCHMARKS.md's figure. (Compiling two programs at once gained
-        nothing there: XLA:CPU already spreads one compilation over the cores.)
+        BENCHMARKS.md's figure. Programs compile backend.compile_threads at a
+        time (one on CPU, where XLA already spreads one compilation over the
+        cores and two at once gained nothing; several on a GPU's host, where
+        each compilation of an unrolled model is mostly one thread's work).
 
         Programs in the executable cache are loaded, not compiled. Every
         other program is traced and lowered here, on the calling thread, and
@@ -186,7 +217,7 @@ class ModelRunner:
         calls = {p: self._warmup_call(p) for p in self.programs()}
         if self.executable_cache is not None:
             self._cache_keys = {p: self.executable_cache.key(p, args, statics) for p, (_, args, statics) in calls.items()}
-            loaded = self.executable_cache.load_all(self._cache_keys)
+            loaded = self.executable_cache.load_all(self._cache_keys, max(LOAD_THREADS, self.backend.compile_threads))
             self._executables.update(loaded)
             self.num_loaded = len(loaded)
         lowered = {p: self._lower(p, *calls[p])
@@ -206,15 +237,25 @@ class ModelRunner:
 
     def _compile(self, buckets: list[tuple], lowered: dict, progress: bool = False,
                  stop: threading.Event | None = None) -> None:
-        for bucket in tqdm(buckets, desc="compiling", unit="bucket", disable=not progress, leave=False):
-            for program in self.bucket_programs(bucket):
-                if program not in self._executables:
-                    self._executables[program] = (lowered[program].compile() if self.executable_cache is None else
-                                                  self.executable_cache.compile(lowered[program],
-                                                                                self._cache_keys[program]))
-            self._ready = self._ready | {bucket}  # rebound, never mutated: bucket() reads it from another thread
-            if stop is not None and stop.is_set():
-                return
+        """Compile the programs of `buckets` (backend.compile_threads at once),
+        marking each bucket ready once all of its programs are, in order."""
+        todo = list(dict.fromkeys(p for b in buckets for p in self.bucket_programs(b) if p not in self._executables))
+        with ThreadPoolExecutor(self.backend.compile_threads, thread_name_prefix="jaxinfer-compile") as pool:
+            futures = {p: pool.submit(self._compile_one, lowered[p], p) for p in todo}
+            for bucket in tqdm(buckets, desc="compiling", unit="bucket", disable=not progress, leave=False):
+                for program in self.bucket_programs(bucket):
+                    if program in futures:
+                        self._executables[program] = futures[program].result()
+                self._ready = self._ready | {bucket}  # rebound, never mutated: bucket() reads it from another thread
+                if stop is not None and stop.is_set():
+                    pool.shutdown(cancel_futures=True)
+                    return
+
+    def _compile_one(self, lowered, program: tuple):
+        options = self.backend.compiler_options()
+        if self.executable_cache is None:
+            return lowered.compile(options)
+        return self.executable_cache.compile(lowered, self._cache_keys[program], options)
 
     @staticmethod
     def _lower(program: tuple, fn, args: tuple, statics: dict):
@@ -271,20 +312,32 @@ class ModelRunner:
                             num_seqs=num_seqs, layout=layout, block_size=self.block_size,
                             max_blocks_per_seq=self.max_blocks_per_seq, seq_lora_slots=seq_lora_slots)
 
-    def forward(self, inputs: StepInputs):
-        """-> (logits at inputs.logits_indices, pre-norm hidden of every row), on the device."""
+    def forward(self, inputs: StepInputs, feed_index=None):
+        """-> (logits at inputs.logits_indices, pre-norm hidden of every row), on the device.
+        feed_index: rows whose token is in the last step's feed (launch)."""
         program = ("forward", len(inputs.tokens), len(inputs.attn_meta.context_lens), inputs.layout)
-        logits, features, self.kv_cache = self._run(program, *self._forward_call(inputs))
+        logits, features, self.kv_cache = self._run(program, *self._forward_call(inputs, feed_index))
         return logits, features
 
-    def _forward_call(self, inputs: StepInputs):
-        tokens, meta, logits_indices, lora_slots = self._put((*inputs[:3], inputs.lora_slots))
+    def _forward_call(self, inputs: StepInputs, feed_index=None):
+        if feed_index is None:
+            feed_index = self._no_feed_index(len(inputs.tokens))
+        tokens, meta, logits_indices, lora_slots, feed_index = self._put(
+            (*inputs[:3], inputs.lora_slots, feed_index))
         params = self.params
         if self.lora is not None:  # the slots' buffers as they are now (loads replace them, same shapes)
             params = {**params, "layers": {**params["layers"], "lora": self.lora.buffers}}
-        statics = dict(config=self.config, backend=self.attention_backend, layout=inputs.layout,
+        statics = dict(config=self.config, backend=self.backend, layout=inputs.layout,
                        with_features=self.with_features, mesh=self.mesh)
-        return forward_step, (params, self.kv_cache, tokens, meta, logits_indices, lora_slots), statics
+        return forward_step, (params, self.kv_cache, tokens, meta, logits_indices, lora_slots, self._feed,
+                              feed_index), statics
+
+    def _no_feed_index(self, num_tokens: int):
+        """All -1 (every row's token from the host), kept on the device per token bucket."""
+        if num_tokens not in self._no_feed_indices:
+            index = np.full(num_tokens, -1, np.int32)
+            self._no_feed_indices[num_tokens] = jax.device_put(index) if self.mesh is None else self._put(index)
+        return self._no_feed_indices[num_tokens]
 
     def _no_mask(self, num_seqs: int) -> tuple:
         if num_seqs not in self._no_masks:
@@ -316,7 +369,9 @@ class ModelRunner:
 
     def _sample_call(self, logits, sampling, penalties, full: bool, masks: tuple):
         sampling, penalties = self._put((sampling, penalties))
-        return sample_step, (logits, sampling, penalties, *masks), dict(full=full, mesh=self.mesh)
+        statics = dict(full=full, conditional=self.backend.conditional_skips, feed_size=self.feed_size,
+                       mesh=self.mesh)
+        return sample_step, (logits, sampling, penalties, *masks), statics
 
     def _verify(self, logits, drafts, num_drafts, sampling):
         return self._run(("verify", drafts.shape[0], drafts.shape[1]),
@@ -324,12 +379,20 @@ class ModelRunner:
 
     def _verify_call(self, logits, drafts, num_drafts, sampling):
         drafts, num_drafts, sampling = self._put((drafts, num_drafts, sampling))
-        return verify_step, (logits, drafts, num_drafts, sampling), dict(mesh=self.mesh)
+        return verify_step, (logits, drafts, num_drafts, sampling), dict(conditional=self.backend.conditional_skips,
+                                                                          mesh=self.mesh)
 
     # -- one engine step -----------------------------------------------------
     def run(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepOutput:
         """One step on the device: forward, then the sampler, or acceptance of
         the drafts and the sampler for the sequences that had none."""
+        return self.complete(self.launch(batch, block_tables))
+
+    def launch(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> Launched:
+        """Dispatch a step's programs without waiting for them (a verification
+        step waits). A sequence's pending token (async scheduling,
+        engine/sequence.py) is its sampled token of the last launched step,
+        which the forward takes from that step's feed on the device."""
         seqs = batch.sequences
         verify = batch.verifies_drafts
         inputs = self.inputs([s.token_ids() + s.draft_token_ids for s in seqs], batch.num_computed_tokens,
@@ -337,40 +400,60 @@ class ModelRunner:
                              None if self.lora is None else [s.lora_slot for s in seqs])
         num_seqs = len(inputs.attn_meta.context_lens)
         sampling = SamplingMetadata.from_params(
-            [s.params for s in seqs], [s.seed for s in seqs], [len(s.output_token_ids) for s in seqs], num_seqs
+            [s.params for s in seqs], [s.seed for s in seqs], [s.num_output_tokens for s in seqs], num_seqs
         )
         # The full sampler (programs.py) when any request has penalties or asks for logprobs.
         full = any(s.params.uses_penalties or s.params.logprobs is not None for s in seqs)
         penalties = self._penalty_inputs(seqs, num_seqs) if full else None
+        # A sequence emits once its step reaches its last token (a prompt chunk that does not, emits nothing).
+        num_emitted = np.zeros(num_seqs, np.int32)
+        num_emitted[: len(seqs)] = [first + new - drafts == s.num_tokens for s, first, new, drafts in
+                                    zip(seqs, batch.num_computed_tokens, batch.num_new_tokens, batch.num_drafts)]
 
         start = time.perf_counter()
-        logits, features = self.forward(inputs)
+        logits, features = self.forward(inputs, self._feed_index(inputs, seqs))
         # Dispatch is asynchronous: the host fills the masks while the device runs the forward.
         masks = self._token_masks(batch, num_seqs)
-        if verify:
-            k = self.num_speculative_tokens
-            drafts, num_drafts = np.zeros((num_seqs, k), np.int32), np.zeros(num_seqs, np.int32)
-            for i, seq in enumerate(seqs):
-                num_drafts[i] = batch.num_drafts[i]
-                drafts[i, : num_drafts[i]] = seq.draft_token_ids
-            token_ids, num_emitted, first_logits = self._verify(logits, drafts, num_drafts, sampling)
-            token_ids, num_emitted = np.array(token_ids), np.array(num_emitted)
-            plain = None
-            if not num_drafts[: len(seqs)].all():
-                plain = jax.device_get(self._sample(first_logits, sampling, penalties, full, masks))
-                drafted = num_drafts > 0
-                token_ids[:, 0] = np.where(drafted, token_ids[:, 0], plain.token_ids)
-                num_emitted = np.where(drafted, num_emitted, 1)
-        else:
-            plain = jax.device_get(self._sample(logits, sampling, penalties, full, masks))
-            token_ids = plain.token_ids[:, None]
-            # A sequence emits once its step reaches its last token (a prompt chunk that does not, emits nothing).
-            num_emitted = np.zeros(num_seqs, np.int32)
-            num_emitted[: len(seqs)] = [first + new == s.num_tokens for s, first, new in
-                                        zip(seqs, batch.num_computed_tokens, batch.num_new_tokens)]
+        if not verify:
+            sampled, self._feed = self._sample(logits, sampling, penalties, full, masks)
+            self._feed_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+            self.device_time += time.perf_counter() - start
+            return Launched(sampled, None, num_emitted, features, inputs.attn_meta.query_start)
+        k = self.num_speculative_tokens
+        drafts, num_drafts = np.zeros((num_seqs, k), np.int32), np.zeros(num_seqs, np.int32)
+        for i, seq in enumerate(seqs):
+            num_drafts[i] = batch.num_drafts[i]
+            drafts[i, : num_drafts[i]] = seq.draft_token_ids
+        token_ids, num_emitted, first_logits = self._verify(logits, drafts, num_drafts, sampling)
+        token_ids, num_emitted = np.array(token_ids), np.array(num_emitted)
+        sampled = None
+        if not num_drafts[: len(seqs)].all():
+            sampled = jax.device_get(self._sample(first_logits, sampling, penalties, full, masks)[0])
+            drafted = num_drafts > 0
+            token_ids[:, 0] = np.where(drafted, token_ids[:, 0], sampled.token_ids)
+            num_emitted = np.where(drafted, num_emitted, 1)
         self.device_time += time.perf_counter() - start
-        logprob_fields = (None, None, None) if plain is None else tuple(plain[1:])
-        return StepOutput(token_ids, num_emitted, *logprob_fields, features, inputs.attn_meta.query_start)
+        return Launched(sampled, token_ids, num_emitted, features, inputs.attn_meta.query_start)
+
+    def complete(self, launched: Launched) -> StepOutput:
+        """Wait for a launched step and bring its outputs to the host."""
+        start = time.perf_counter()
+        sampled = jax.device_get(launched.sampled)
+        self.device_time += time.perf_counter() - start
+        token_ids = sampled.token_ids[:, None] if launched.token_ids is None else launched.token_ids
+        logprob_fields = (None, None, None) if sampled is None else tuple(sampled[1:])
+        return StepOutput(token_ids, launched.num_emitted, *logprob_fields, launched.features, launched.row_start)
+
+    def _feed_index(self, inputs: StepInputs, seqs: list[Sequence]):
+        """Per row, where in the last launched step's feed its token is (a
+        pending token: the rows holding PLACEHOLDER), else -1; None when no
+        row has one."""
+        rows = np.flatnonzero(inputs.tokens == PLACEHOLDER)
+        if not len(rows):
+            return None
+        feed_index = np.full(len(inputs.tokens), -1, np.int32)
+        feed_index[rows] = [self._feed_rows[seqs[inputs.attn_meta.token_seq[row]].seq_id] for row in rows]
+        return feed_index
 
     def _penalty_inputs(self, seqs: list[Sequence], num_seqs: int):
         return make_penalty_inputs([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],

@@ -8,6 +8,15 @@ temperature, top-k, top-p, min-p and one categorical draw), computed in
 float32. Every filter is a per-row threshold comparison, so ties behave as
 in the reference, and none needs a sort.
 
+Work that only some rows need (the top-k and top-p searches, the draw of
+sampled rows, the structured-output mask) is per-row selects, so rows that
+do not need it come out unchanged either way. `conditional` chooses how the
+batch pays for it: under a lax.cond that skips it when no row needs it
+(CPU: a step of greedy rows does none of it), or always (GPU: an XLA
+conditional copies its predicate to the host and waits for it, which stalls
+the stream the host is queueing work on and splits CUDA graphs; the backend
+says which, backends/xla.py `conditional_skips`).
+
 A row's random draw uses the key fold_in(key(seed), step) and nothing else,
 so a request's tokens do not depend on its batch row, the bucket size or
 its neighbours. Shapes are static; padding rows (from `from_params` with
@@ -196,23 +205,30 @@ def _top_p(x, top_p, use_p):
     return jnp.where(x >= jnp.where(use_p, cutoff, _NEG_INF)[:, None], x, _NEG_INF)
 
 
-def filter_logits(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+def _when(conditional: bool, needed, fn, x):
+    """fn(x) for the rows that need it (fn leaves the others unchanged):
+    under a lax.cond skipped when `needed` is False, or always."""
+    return lax.cond(needed, fn, lambda x: x, x) if conditional else fn(x)
+
+
+def filter_logits(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                  conditional: bool = True) -> jax.Array:
     """Batched `filter_logits` of tests/reference_sampler.py: removed tokens become -inf.
 
     x is already divided by the temperature. Top-k and top-p are threshold
-    searches, each skipped (lax.cond) when no row uses it. Min-p needs no
+    searches, each skipped (lax.cond, where `conditional`) when no row uses it. Min-p needs no
     renormalisation: p_i >= min_p * p_max is exp(x_i - max) >= min_p, and the
     maximum survives every filter.
     """
     vocab = x.shape[-1]
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1.0
-    x = lax.cond(jnp.any(use_k), lambda x: _top_k(x, top_k, use_k), lambda x: x, x)
-    x = lax.cond(jnp.any(use_p), lambda x: _top_p(x, top_p, use_p), lambda x: x, x)
+    x = _when(conditional, jnp.any(use_k), lambda x: _top_k(x, top_k, use_k), x)
+    x = _when(conditional, jnp.any(use_p), lambda x: _top_p(x, top_p, use_p), x)
     return jnp.where(jnp.exp(x - _row_max(x)) >= min_p[:, None], x, _NEG_INF)
 
 
-def sampling_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+def sampling_logits(logits: jax.Array, meta: SamplingMetadata, conditional: bool = True) -> jax.Array:
     """Temperature-scaled, filtered logits whose softmax the sampled rows draw
     from. Greedy rows are returned unscaled and unfiltered (they use argmax)."""
     greedy = meta.temperature <= 0.0
@@ -223,10 +239,10 @@ def sampling_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     top_k = jnp.where(greedy, 0, meta.top_k)
     top_p = jnp.where(greedy, 1.0, meta.top_p)
     min_p = jnp.where(greedy, 0.0, meta.min_p)
-    return filter_logits(logits / temperature[:, None], top_k, top_p, min_p)
+    return filter_logits(logits / temperature[:, None], top_k, top_p, min_p, conditional)
 
 
-def _draw(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+def _draw(logits: jax.Array, meta: SamplingMetadata, conditional: bool = True) -> jax.Array:
     """Inverse-CDF draw: one uniform per row instead of jax.random.categorical's
     V Gumbel variates, whose generation dominates a CPU step (~5x the cost).
 
@@ -234,7 +250,7 @@ def _draw(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     mass. Only tokens with positive weight are selectable, so a filtered token is
     never returned even where the float32 prefix sum is not exactly monotone.
     """
-    x = sampling_logits(logits, meta)
+    x = sampling_logits(logits, meta, conditional)
     weight = jnp.exp(x - _row_max(x))
     prefix = jnp.cumsum(weight, axis=-1)
 
@@ -259,11 +275,12 @@ def _logprobs(logits: jax.Array, tokens: jax.Array, k: int):
     return values, ids, rank
 
 
-def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, constrained: jax.Array) -> jax.Array:
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, constrained: jax.Array,
+                        conditional: bool = True) -> jax.Array:
     """Structured outputs: in the constrained rows, tokens whose bit is clear
     in the packed int32 bitmask [B, ceil(V / 32)] become -inf (bit j of word
     w is token 32 w + j, llguidance's layout); other rows are unchanged. The
-    whole thing is skipped (lax.cond) when no row is constrained."""
+    whole thing is skipped (lax.cond, where `conditional`) when no row is constrained."""
     vocab = logits.shape[-1]
 
     def masked(x):
@@ -272,7 +289,7 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, constrained: jax.
         allowed = bits.reshape(bits.shape[0], -1)[:, :vocab] != 0
         return jnp.where(allowed | ~constrained[:, None], x, _NEG_INF)
 
-    return lax.cond(jnp.any(constrained), masked, lambda x: x, logits)
+    return _when(conditional, jnp.any(constrained), masked, logits)
 
 
 def sample(
@@ -283,16 +300,18 @@ def sample(
     num_logprobs: int = 0,
     bitmask: jax.Array | None = None,
     constrained: jax.Array | None = None,
+    conditional: bool = True,
 ) -> SamplerOutput:
     """One token per row. num_logprobs (static) > 0 also returns the sampled
     token's logprob and rank and the top num_logprobs, from log_softmax of the
     penalised logits; 0 leaves those fields None. Penalties are applied when
     either mask is given (a missing one counts as empty). A token bitmask
     (structured outputs) is applied first, before penalties, temperature and
-    the filters, so logprobs are those of the masked distribution."""
+    the filters, so logprobs are those of the masked distribution.
+    conditional: how work only some rows need is paid for (module docstring)."""
     logits = logits.astype(jnp.float32)
     if bitmask is not None:
-        logits = apply_token_bitmask(logits, bitmask, constrained)
+        logits = apply_token_bitmask(logits, bitmask, constrained, conditional)
     if prompt_mask is not None or output_counts is not None:
         if prompt_mask is None:
             prompt_mask = jnp.zeros(logits.shape, jnp.bool_)
@@ -303,11 +322,8 @@ def sample(
     # The lowest id wins ties.
     greedy_tokens = first_argmax(logits)
     greedy = meta.temperature <= 0.0
-    tokens = lax.cond(
-        jnp.all(greedy),
-        lambda: greedy_tokens,
-        lambda: jnp.where(greedy, greedy_tokens, _draw(logits, meta)),
-    )
+    tokens = _when(conditional, ~jnp.all(greedy),
+                   lambda tokens: jnp.where(greedy, tokens, _draw(logits, meta, conditional)), greedy_tokens)
     if num_logprobs <= 0:
         return SamplerOutput(tokens, None, None, None)
     values, ids, rank = _logprobs(logits, tokens, num_logprobs)

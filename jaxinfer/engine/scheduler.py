@@ -26,6 +26,13 @@ finishes; when every slot is pinned by other adapters, the queue waits.
 
 `policy="static"` is a benchmark baseline: admit a batch only when nothing is
 running, then run it until every member finishes.
+
+Async scheduling (engine.py): a step is scheduled while the previous one is
+still on the device, against its sequences' pending tokens (sequence.py).
+A running sequence whose pending token already ends it by length
+(max_tokens, max_model_len) is owed nothing more, and a sequence preempted
+with a pending token waits until the host has seen it (its recompute needs
+the token's value).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class ScheduledBatch:
     num_computed_tokens: list[int]
     # Drafts scheduled per sequence (the last num_drafts of its new tokens).
     num_drafts: list[int]
+    # Async scheduling: its progress was applied at launch (OutputProcessor.expect).
+    expected: bool = False
 
     def __len__(self):
         return len(self.sequences)
@@ -59,7 +68,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, policy="continuous",
-                 lora_slots=None):
+                 lora_slots=None, max_model_len: int | None = None):
         if policy not in ("continuous", "static"):
             raise ValueError(f"scheduling_policy must be 'continuous' or 'static', got {policy!r}")
         self.block_manager = block_manager
@@ -74,6 +83,7 @@ class Scheduler:
         # draft model's own cache) is freed with it.
         self.on_release: Callable[[Sequence], None] | None = None
         self.lora_slots = lora_slots  # LoRASlots, or None without LoRA
+        self.max_model_len = max_model_len
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -108,6 +118,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and self._ends_by_length(seq):
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()
@@ -125,7 +138,7 @@ class Scheduler:
         admit = not preempted and (self.policy == "continuous" or not self.running)
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self._waits_for_leader(seq):
+            if self._waits_for_leader(seq) or seq.num_pending:
                 break
             # Check before taking anything: a request that has to wait holds no
             # blocks and counts as a prefix-cache query only once admitted.
@@ -167,6 +180,11 @@ class Scheduler:
             budget -= len(drafts)
             num_drafts.append(len(drafts))
         return num_drafts
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether its tokens, pending ones included, reach max_tokens or max_model_len."""
+        return (seq.num_output_tokens >= seq.params.max_tokens
+                or (self.max_model_len is not None and seq.num_tokens >= self.max_model_len))
 
     def _waits_for_leader(self, seq: Sequence) -> bool:
         """n > 1: hold a sibling back until completion 0 has computed the

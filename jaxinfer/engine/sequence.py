@@ -11,6 +11,12 @@ Speculative decoding adds `draft_token_ids`: tokens a proposer guessed after
 the last step. The scheduler owes them as ordinary tokens of the next step
 (or drops them, scheduler.py); they join the sequence only as far as the
 target model accepts them.
+
+Async scheduling (engine.py) adds `num_pending`: tokens a step already on the
+device will emit, which the host has not seen yet. They count in num_tokens,
+so the next step can be scheduled (and its input token taken on the device)
+before this one's outputs are processed; token_ids() shows them as
+PLACEHOLDER. The output holds only tokens the host has seen.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from dataclasses import dataclass, field
 
 from jaxinfer.outputs import CompletionOutput, RequestMetrics
 from jaxinfer.sampling_params import SamplingParams
+
+# A token sampled on the device that the host has not seen yet (num_pending).
+PLACEHOLDER = -1
 
 
 class SequenceStatus(enum.Enum):
@@ -57,6 +66,8 @@ class Sequence:
     # admitted, the device slot it pins (lora/slots.py; 0 when none).
     lora_int_id: int = 0
     lora_slot: int = 0
+    # Async scheduling: tokens an in-flight step will emit (0 or 1).
+    num_pending: int = 0
 
     @property
     def prefix_cache_salt(self) -> bytes | None:
@@ -71,10 +82,16 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output.token_ids)
+        """Its tokens, the pending ones included (what the scheduler owes against)."""
+        return len(self.prompt_token_ids) + len(self.output.token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens, pending ones included: the index of the next one sampled."""
+        return len(self.output.token_ids) + self.num_pending
 
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output.token_ids
+        return self.prompt_token_ids + self.output.token_ids + [PLACEHOLDER] * self.num_pending
 
     @property
     def is_finished(self) -> bool:

@@ -10,15 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.backends import XlaBackend, choose_backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading.checkpoint import open_checkpoint
 from jaxinfer.loading.orbax import OrbaxCheckpoint
 from jaxinfer.loading.params import GGUF_QUANTIZATIONS, QUANTIZATIONS, build_params, resolve_dtype
 from jaxinfer.models.attention import full_sequence_attention
-from jaxinfer.models.llama import compute_logits, forward
+from jaxinfer.models.llama import forward
 from jaxinfer.parallel.mesh import tensor_parallel_size
 from jaxinfer.quant.params import quantize_params
-from jaxinfer.quant.tensor import QuantizedTensor
 from jaxinfer.utils import bucket_size, enable_compilation_cache
 
 
@@ -28,11 +28,15 @@ class Model:
     mesh: None (one device) or the ("model",) mesh the params are sharded over.
     quantization: how the weights were loaded (load()'s choice, "auto" resolved).
     checkpoint_config: the checkpoint's own config (differs from `config` only
-    in KV heads repeated on a mesh); what LoRA adapters are checked against."""
+    in KV heads repeated on a mesh); what LoRA adapters are checked against.
+    backend: the platform backend the params are laid out for (backends/),
+    with its default attention; every program runs the model through it."""
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer, dtype, source: str = "", load_seconds=0.0,
-                 mesh=None, quantization: str | None = None, checkpoint_config: ModelConfig | None = None):
+                 mesh=None, quantization: str | None = None, checkpoint_config: ModelConfig | None = None,
+                 backend: XlaBackend | None = None):
         self.mesh = mesh
+        self.backend = backend or choose_backend(mesh).with_dtype(dtype)
         self.quantization = quantization
         self.config = config
         self.checkpoint_config = checkpoint_config or config
@@ -57,7 +61,7 @@ class Model:
         if self.mesh is None or mesh.size != self.mesh.size:
             raise ValueError("on_mesh copies a sharded model to a mesh of the same size")
         return Model(self.config, shard_params(self.params, mesh), self.tokenizer, self.dtype, self.source,
-                     self.load_seconds, mesh, self.quantization, self.checkpoint_config)
+                     self.load_seconds, mesh, self.quantization, self.checkpoint_config, self.backend)
 
     def logits(self, token_ids) -> np.ndarray:
         """Full-sequence forward without a cache: float32 logits [T, vocab].
@@ -74,23 +78,24 @@ class Model:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got {token_ids.min()}..{token_ids.max()}")
         padded = np.zeros(bucket_size(length), np.int32)
         padded[:length] = token_ids
-        return np.asarray(_full_logits(self.params, self.config, padded[None]))[0, :length]
+        return np.asarray(_full_logits(self.params, self.config, padded[None], self.backend))[0, :length]
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _full_logits(params, config: ModelConfig, tokens):
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _full_logits(params, config: ModelConfig, tokens, backend):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     attention = full_sequence_attention(positions, config.sliding_window)
-    hidden, _ = forward(params, config, tokens, positions, attention)
-    return compute_logits(params, hidden)
+    hidden, _ = forward(params, config, tokens, positions, attention, backend=backend)
+    return backend.logits(params, hidden)
 
 
-def choose_quantization(quantization: str | None, source) -> str | None:
+def choose_quantization(quantization: str | None, source, backend: XlaBackend) -> str | None:
     """Resolve quantization="auto", the default of load(), LLM and the CLI: the
-    fastest form that loses nothing against the file. On CPU that is a GGUF's
-    own blocks ("gguf": the same numbers as the dequantized float weights, in
-    a third of the bytes, multiplied by native kernels without a float copy);
-    a float checkpoint stays as stored, since every faster scheme changes its
+    fastest form that loses nothing against the file, which is the backend's
+    choice (auto_quantization). On CPU that is a GGUF's own blocks ("gguf":
+    the same numbers as the dequantized float weights, in a third of the
+    bytes, multiplied by native kernels without a float copy); a float
+    checkpoint stays as stored, since every faster scheme changes its
     numbers. On GPUs the weights stay as stored until the GGUF block kernels
     there have been timed.
 
@@ -104,13 +109,17 @@ def choose_quantization(quantization: str | None, source) -> str | None:
     exact default never does (BENCHMARKS.md)."""
     if quantization != "auto":
         return quantization
-    return "gguf" if hasattr(source, "get_quantized") and jax.default_backend() == "cpu" else None
+    return backend.auto_quantization(source)
 
 
-def load(model=None, dtype="float32", progress: bool = True, quantization: str | None = "auto", mesh=None) -> Model:
+def load(model=None, dtype="auto", progress: bool = True, quantization: str | None = "auto", mesh=None,
+         backend: XlaBackend | None = None) -> Model:
     """Load a model: None (the embedded SmolLM2-135M-Instruct), a HF directory
     (config.json + safetensors), a .gguf file, or a jaxinfer checkpoint directory
-    (`jaxinfer convert`). dtype: float32 | bfloat16 (of the unquantized weights).
+    (`jaxinfer convert`). dtype: of the unquantized weights and the
+    activations: "auto" (the backend's auto_dtype: float32 on CPU, elsewhere
+    the dtype the checkpoint stores its float weights in, bfloat16 for a
+    GGUF's blocks), float32, bfloat16 or float16.
 
     quantization: "auto" (choose_quantization: a GGUF's own blocks on CPU,
     otherwise as stored), None (float weights; GGUF blocks dequantized), "gguf" (keep
@@ -129,16 +138,24 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
 
     mesh: None (one device), or a ("model",) mesh (parallel/mesh.py): every
     weight is loaded or restored straight into its shards (parallel/sharding.py).
-    On one CPU device the weights the exact CPU kernel multiplies are stored
-    in its tiles of columns (_tile_for_cpu_kernels; `untiled()` gives the
-    plain layout)."""
+
+    backend: the platform backend (backends/; default choose_backend(mesh)),
+    bound to the dtype (with_dtype). It decides what "auto" loads and which
+    head forms a GGUF load keeps, and lays the loaded params out for itself
+    (backend.layout: e.g. tiled for the CPU kernels, one array per layer on
+    a GPU). Tools that need the stacked layout whatever the platform
+    (checkpoint conversion, calibration) pass XlaBackend()."""
     if quantization not in (None, "auto", *QUANTIZATIONS):
         raise ValueError(f"quantization must be None, 'auto' or one of {QUANTIZATIONS}, got {quantization!r}")
     enable_compilation_cache()
     start = time.perf_counter()
-    np_dtype = resolve_dtype(dtype)
+    np_dtype = None if dtype == "auto" else resolve_dtype(dtype)  # a bad name fails before any reading
     config, source, tokenizer, description = open_checkpoint(model)
-    quantization = choose_quantization(quantization, source)
+    backend = backend or choose_backend(mesh)
+    if np_dtype is None:
+        np_dtype = backend.auto_dtype(getattr(source, "stored_dtype", None))
+    backend = backend.with_dtype(np_dtype)
+    quantization = choose_quantization(quantization, source, backend)
     run_config = config
     if mesh is not None:
         from jaxinfer.parallel.sharding import sharded_config
@@ -161,29 +178,12 @@ def load(model=None, dtype="float32", progress: bool = True, quantization: str |
 
                 params = shard_params(params, mesh)
     else:
-        params = build_params(config, source, np_dtype, progress=progress, quantization=quantization, mesh=mesh)
-    if mesh is None:
-        _tile_for_cpu_kernels(params["layers"])
-        _tile_for_cpu_kernels(params, names=("few_row_head",))
+        params = build_params(config, source, np_dtype, progress=progress, quantization=quantization, mesh=mesh,
+                              backend=backend)
+    params = backend.layout(params)
     jax.block_until_ready(params)
     return Model(run_config, params, tokenizer, np_dtype, description, time.perf_counter() - start, mesh,
-                 quantization, config)
-
-
-def _tile_for_cpu_kernels(params: dict, names=None) -> None:
-    """Store the quantized weights of `params` (those under `names`, default
-    all) that the exact CPU kernel multiplies in its tiles of columns
-    (quant/tensor.py, `tile`), in place, one weight at a time (the untiled
-    copy is freed as it goes): a kernel task then reads one contiguous run of
-    memory. The stacked layers and the tied head's few-row copy; the lm_head
-    stays plain, since the embedding lookup reads its columns. Batch-1 decode
-    of the default model, BENCHMARKS.md ("Tiled weights")."""
-    from jaxinfer.quant import cpu_matmul
-
-    for name in params if names is None else names:
-        w = params.get(name)
-        if isinstance(w, QuantizedTensor) and cpu_matmul.tileable(w):
-            params[name] = w.tiled(cpu_matmul.TILE)
+                 quantization, config, backend)
 
 
 def _orbax_shardings(source: OrbaxCheckpoint, config: ModelConfig, mesh):

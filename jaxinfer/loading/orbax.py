@@ -303,6 +303,11 @@ class OrbaxCheckpoint:
         self.structure = metadata["params"]
         self.dtype = np.dtype(jnp.dtype(metadata.get("dtype", "float32")))
 
+    @property
+    def stored_dtype(self) -> np.dtype:
+        """The dtype of the unquantized parameters as written (dtype="auto")."""
+        return self.dtype
+
     def _error(self, problem: str) -> CheckpointError:
         return CheckpointError(f"{self.directory}: {problem}")
 

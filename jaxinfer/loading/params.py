@@ -9,7 +9,8 @@ host memory never holds more than one tensor.
 
 Linear weights may come out as QuantizedTensors (quant/tensor.py), stacked
 per layer like arrays: `quantization="gguf"` keeps a GGUF file's Q8_0 / Q4_0 /
-Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (sources offering `get_quantized`; the head only off CPU),
+Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (sources offering `get_quantized`; the head where
+the backend keeps it so, backends/),
 "gguf-a8" the same with the head and int8 activations (GGUF_QUANTIZATIONS), and "int8" | "int4" | "fp8" |
 "w8a8" quantize each float32 weight as it is read (round to nearest, as
 quant/params.py's quantize_params; the head stays float except for the
@@ -39,11 +40,11 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxinfer.backends import XlaBackend
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.llama import param_shapes
 from jaxinfer.parallel.mesh import tensor_parallel_size
-from jaxinfer.quant import cpu_matmul
 from jaxinfer.quant.params import HEAD_SCHEMES, LINEAR_KEYS, quantize_weight, with_int8_activations
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor, as_int8_groups
 
@@ -243,11 +244,14 @@ def _kind(w: QuantizedTensor):
 
 def build_params(
     config: ModelConfig, source: TensorSource, dtype="float32", progress: bool = True, quantization: str | None = None,
-    mesh=None,
+    mesh=None, backend: XlaBackend | None = None,
 ) -> dict:
     """quantization: None or one of QUANTIZATIONS (see the module docstring).
     mesh: None (the default device) or a ("model",) mesh to shard over
-    (parallel/sharding.py); the params then fit sharded_config(config, mesh.size)."""
+    (parallel/sharding.py); the params then fit sharded_config(config, mesh.size).
+    backend: which head forms a GGUF load keeps (default: the reference's);
+    the params come out stacked, for backend.layout to lay out."""
+    backend = backend or XlaBackend()
     dtype = resolve_dtype(dtype)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
@@ -263,12 +267,13 @@ def build_params(
             continue
         name, transpose = _GLOBAL_TENSORS[key]
         # Load-time RTN leaves the head float (quantize_params' include_head
-        # default); a GGUF head stored quantized stays as stored, except for
-        # "gguf" on CPU, where XLA casts a quantized head to float whole on
-        # every step (see quant/params.py's HEAD_SCHEMES) and the float head is
-        # the faster one. "gguf-a8"'s kernel multiplies it as stored.
+        # default); a GGUF head stored quantized stays as stored where the
+        # backend multiplies it so (not on CPU, where XLA casts a quantized
+        # head to float whole on every step, see quant/params.py's
+        # HEAD_SCHEMES, and the float head is the faster one). "gguf-a8"'s
+        # kernel multiplies it as stored.
         keep_head = key == "lm_head" and (quantization == "gguf-a8" or (
-            quantization == "gguf" and jax.default_backend() != "cpu"))
+            quantization == "gguf" and backend.keeps_gguf_head_quantized()))
         head = _read_direct(source, name, shape, placement, key) if keep_head else None
         # A head quantized below is read in float32, so it is rounded once.
         read_dtype = np.float32 if quantization in HEAD_SCHEMES and key in ("embed", "lm_head") else dtype
@@ -311,12 +316,12 @@ def build_params(
         head = _tied_head_as_stored(source, config, placement)
         if head is not None:
             params["lm_head"] = head
-    if quantization == "gguf" and placement is None and "lm_head" not in params and jax.default_backend() == "cpu":
+    if backend.wants_tied_head_as_stored(quantization) and "lm_head" not in params and config.tie_word_embeddings:
         # The float head is the faster one past a few rows (see keep_head
-        # above); at one row the few-row kernel reads the file's blocks, a
-        # quarter of the bytes (models/llama.py, compute_logits).
-        head = _tied_head_as_stored(source, config, placement) if config.tie_word_embeddings else None
-        if head is not None and cpu_matmul.supports(1, head):
+        # above); at a few rows a kernel reads the file's blocks, a quarter of
+        # the bytes (backends/cpu.py, logits).
+        head = _tied_head_as_stored(source, config, placement)
+        if head is not None:
             params["few_row_head"] = head
     if quantization == "gguf-a8":
         params = with_int8_activations(params)

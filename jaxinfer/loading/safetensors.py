@@ -96,3 +96,12 @@ class SafetensorsCheckpoint:
 
     def get(self, name: str) -> np.ndarray:
         return self._file_of[name].get(name)
+
+    @property
+    def stored_dtype(self) -> np.dtype | None:
+        """The dtype the float weights are stored in (the embedding table's),
+        which dtype="auto" loads them as where the platform allows."""
+        name = "model.embed_tokens.weight"
+        file = self._file_of.get(name)
+        dtype = file and _DTYPES.get(file.header[name]["dtype"])
+        return None if dtype is None else np.dtype(dtype)

@@ -31,7 +31,9 @@ def attention_reference(q, k, v, q_positions, k_positions, k_valid=None, sliding
     num_kv_heads = k.shape[2]
     # Group query heads by the KV head they share instead of repeating K/V.
     q = q.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    # float32 inputs are multiplied in float32 (on a GPU, JAX's default is TF32).
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32, precision=precision)
     scores = scores * (head_dim**-0.5)
     mask = k_positions[:, None, :] <= q_positions[:, :, None]  # [B, T, S]
     if sliding_window is not None:
@@ -42,7 +44,8 @@ def attention_reference(q, k, v, q_positions, k_positions, k_valid=None, sliding
     # A fully masked row (a padding query) would give NaN; give it zeros.
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask.any(-1)[:, None, None, :, None], probs, 0.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                     precision=precision)
     return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
 
 

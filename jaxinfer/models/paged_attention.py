@@ -1,6 +1,8 @@
-"""Attention over the paged KV cache in plain jnp (the "jnp" backend, and the
-"xla" backend wherever the native CPU kernel, models/cpu_paged_attention.py,
-does not run: other platforms, a mesh, a CPU without a compiler).
+"""Attention over the paged KV cache: the plain-jnp reference (attention
+backends "jnp" and "xla"), the dispatch to the Pallas kernels ("pallas",
+"pallas_interpret"), and the write of a step's new K/V into the pool. A
+platform's backend (jaxinfer/backends/) may serve "xla" with its own kernel
+instead (the CPU backend: native/paged_attention.py).
 
 The engine flattens a step's tokens from many sequences into one row
 (prefill chunks and decode tokens together). Its cache is one pool of blocks
@@ -40,7 +42,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.models import cpu_paged_attention
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.kv_cache import as_fp8, is_quantized, quantize_kv
 from jaxinfer.parallel.attention import shard_heads
@@ -56,6 +57,10 @@ class PagedAttentionMetadata:
     context_lens: jax.Array
     query_start: jax.Array
 
+
+# The references compute in float32 and their dots say so: on a GPU, JAX's
+# default runs a float32 dot as TF32 (10-bit mantissas).
+FLOAT32 = jax.lax.Precision.HIGHEST
 
 # The step's new rows attend to each other as one [T, T] product (masked to
 # their own sequence), which grows with the square of the flattened step: up to
@@ -118,12 +123,13 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
                 & (positions[None, :] <= positions[:, None]) & valid_query[:, None])
         if sliding_window is not None:
             mask &= positions[:, None] - positions[None, :] < sliding_window
-        scores = jnp.einsum("tkgd,skd->tkgs", q, new_k.astype(jnp.float32))
+        scores = jnp.einsum("tkgd,skd->tkgs", q, new_k.astype(jnp.float32), precision=FLOAT32)
         scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
         empty = (jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
                  jnp.zeros((*stats_shape, head_dim), jnp.float32))
         init = online_softmax_update(*empty, scores, lambda probs: jnp.einsum("tkgs,skd->tkgd", probs,
-                                                                               new_v.astype(jnp.float32)))
+                                                                               new_v.astype(jnp.float32),
+                                                                               precision=FLOAT32))
     cached_end = jnp.where(valid_query, cached_end, 0)
     num_tiles = (jnp.max(cached_end) + tile_tokens - 1) // tile_tokens
 
@@ -135,14 +141,14 @@ def paged_attention_reference(q, k_pool, v_pool, meta: PagedAttentionMetadata, s
         mask = key_pos[None, :] < cached_end[:, None]
         if sliding_window is not None:
             mask &= positions[:, None] - key_pos[None, :] < sliding_window
-        scores = jnp.einsum("tkgd,tskd->tkgs", q, k)
+        scores = jnp.einsum("tkgd,tskd->tkgs", q, k, precision=FLOAT32)
         scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
         # Slots past a context (tail of its last block, null block) may hold
         # anything, NaN included (in the values or the scales), and 0 * NaN is
         # NaN: zero them out of V after dequantizing.
         v = jnp.where(mask[:, :, None, None], v, 0)
         return online_softmax_update(running_max, denom, acc, scores,
-                                     lambda probs: jnp.einsum("tkgs,tskd->tkgd", probs, v))
+                                     lambda probs: jnp.einsum("tkgs,tskd->tkgd", probs, v, precision=FLOAT32))
 
     out = _online_softmax(visit_tile, num_tiles, stats_shape, head_dim, init)
     return out.reshape(num_tokens, num_heads, head_dim)
@@ -183,10 +189,10 @@ def multi_query_attention_reference(q, k_pool, v_pool, layer_index, block_tables
             mask &= query_pos[:, :, None] - key_pos[None, None, :] < sliding_window
         # As above: slots past a context may hold NaN, and 0 * NaN would leak into the sum.
         v = jnp.where(in_context[:, :, None, None], v, 0.0)
-        scores = jnp.einsum("srkgd,stkd->srkgt", q, k)
+        scores = jnp.einsum("srkgd,stkd->srkgt", q, k, precision=FLOAT32)
         scores = jnp.where(mask[:, :, None, None, :], scores, -jnp.inf)
         return online_softmax_update(running_max, denom, acc, scores,
-                                     lambda probs: jnp.einsum("srkgt,stkd->srkgd", probs, v))
+                                     lambda probs: jnp.einsum("srkgt,stkd->srkgd", probs, v, precision=FLOAT32))
 
     out = _online_softmax(visit_tile, num_tiles, (num_seqs, rows, num_kv_heads, group), head_dim)
     return out.reshape(num_seqs, rows, num_heads, head_dim)
@@ -270,34 +276,28 @@ def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, bac
                           decode: bool = False, mesh=None) -> AttentionFn:
     """The model-facing attention over the paged cache (batch dim 1, tokens flattened).
 
-    backend "jnp" is the plain-jnp tiled reference above. "xla" is the same,
-    except that on the CPU every step runs the native kernel
-    (models/cpu_paged_attention.py) where it can be built. "pallas" runs the
-    Pallas kernels (GPU), "pallas_interpret" the same kernels in interpret mode
-    (any platform, for tests). `decode` is static: the step holds exactly one
-    new token per sequence (T == S, token i belongs to sequence i), which the
-    Pallas backend serves with the split-k decode kernel; other steps (prefill
-    chunks mixed with decode tokens) go to the ragged prefill kernel.
-    The new tokens' K/V are scattered into the donated pool first, in place.
+    backend "jnp" (and "xla", which a platform's backend may serve with a
+    kernel of its own instead) is the plain-jnp tiled reference above.
+    "pallas" runs the Pallas kernels (GPU), "pallas_interpret" the same
+    kernels in interpret mode (any platform, for tests). `decode` is static:
+    the step holds exactly one new token per sequence (T == S, token i
+    belongs to sequence i), which the Pallas backend serves with the split-k
+    decode kernel; other steps (prefill chunks mixed with decode tokens) go
+    to the ragged prefill kernel. The new tokens' K/V are scattered into the
+    donated pool first, in place.
     mesh: the ("model",) mesh of a tensor-parallel run, over which the heads
     and the pool's KV heads are split: the Pallas kernels then run per shard
     (parallel/attention.py); the jnp backend and the KV write are left to GSPMD.
     """
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    check_attention_backend(backend)
 
     def kernel(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta):
         return _pallas_attention(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta, sliding_window, decode,
                                  interpret=backend == "pallas_interpret")
 
     def attend(q, k, v, kv_cache, layer_index):
-        kv_cache, pools = _write_new_kv(kv_cache, layer_index, k, v, meta)
-        if backend == "xla" and _use_cpu_kernel(q, pools[0], mesh):
-            k_pool, v_pool, k_scales, v_scales = pools
-            out = cpu_paged_attention.paged_attention(q[0], k_pool, v_pool, layer_index, meta.block_tables,
-                                                      meta.context_lens, meta.query_start, k_scales=k_scales,
-                                                      v_scales=v_scales, sliding_window=sliding_window)
-        elif backend in ("xla", "jnp"):
+        kv_cache, pools = write_new_kv(kv_cache, layer_index, k, v, meta)
+        if backend in ("xla", "jnp"):
             k_pool, v_pool, k_scales, v_scales = pools
             out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index,
                                             k_scales=k_scales, v_scales=v_scales,
@@ -316,10 +316,10 @@ def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_wind
     query rows per sequence, flattened sequence-major (batch dim 1). Row
     positions are implied by context_len, as in the decode kernel, so a
     sequence with fewer drafts pads its rows at the end (engine/inputs.py).
-    "jnp" runs multi_query_attention_reference, "xla" the native CPU kernel
-    where it can (else the same reference); the Pallas backends the decode
-    kernel, which takes a few query rows per sequence in exactly this layout.
-    mesh: as in paged_cache_attention."""
+    "jnp" and "xla" run multi_query_attention_reference; the Pallas backends
+    the decode kernel, which takes a few query rows per sequence in exactly
+    this layout. mesh: as in paged_cache_attention."""
+    check_attention_backend(backend)
 
     def kernel(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta):
         from pallas_kernels.paged_decode_attention import paged_decode_attention
@@ -329,12 +329,10 @@ def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_wind
                                       sliding_window=sliding_window, interpret=backend == "pallas_interpret")
 
     def attend(q, k, v, kv_cache, layer_index):
-        kv_cache, pools = _write_new_kv(kv_cache, layer_index, k, v, meta)
+        kv_cache, pools = write_new_kv(kv_cache, layer_index, k, v, meta)
         num_tokens, num_heads, head_dim = q.shape[1:]
         per_seq = q[0].reshape(num_tokens // rows, rows, num_heads, head_dim)
-        if backend == "xla" and _use_cpu_kernel(q, pools[0], mesh):
-            out = _cpu_kernel(per_seq, pools, layer_index, meta, sliding_window)
-        elif backend in ("xla", "jnp"):
+        if backend in ("xla", "jnp"):
             k_pool, v_pool, k_scales, v_scales = pools
             out = multi_query_attention_reference(per_seq, k_pool, v_pool, layer_index, meta.block_tables,
                                                   meta.context_lens, k_scales=k_scales, v_scales=v_scales,
@@ -346,19 +344,10 @@ def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_wind
     return attend
 
 
-def _use_cpu_kernel(q, k_pool, mesh) -> bool:
-    """Whether the "xla" backend's attention runs the
-    native CPU kernel (models/cpu_paged_attention.py) rather than the jnp
-    reference: on the CPU, on one device (GSPMD cannot split a custom call;
-    it would gather the pool), where the kernel could be built."""
-    return mesh is None and cpu_paged_attention.supports(q, k_pool)
-
-
-def _cpu_kernel(q, pools, layer_index, meta: PagedAttentionMetadata, sliding_window):
-    k_pool, v_pool, k_scales, v_scales = pools
-    return cpu_paged_attention.paged_decode_attention(q, k_pool, v_pool, layer_index, meta.block_tables,
-                                                      meta.context_lens, k_scales=k_scales, v_scales=v_scales,
-                                                      sliding_window=sliding_window)
+def check_attention_backend(backend: str) -> str:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    return backend
 
 
 def stored_kv(x, storage_dtype, quantized: bool):
@@ -370,7 +359,7 @@ def stored_kv(x, storage_dtype, quantized: bool):
     return _as_float32(*quantize_kv(x, storage_dtype))
 
 
-def _write_new_kv(kv_cache, layer_index, k, v, meta: PagedAttentionMetadata):
+def write_new_kv(kv_cache, layer_index, k, v, meta: PagedAttentionMetadata):
     """Write the step's new K/V [1, T, KV, D] first (in place, donated), then
     hand the layer's attention (k_pool, v_pool, k_scales, v_scales); scales
     are None for a float pool."""

@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.quant.layer_weights import PerLayer
 from jaxinfer.quant.schemes import activation_block, quantize
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
 
@@ -50,7 +51,8 @@ def quantize_weight(w, scheme: str, group_size: int | None = None, name: str = "
 
 
 def quantize_params(params: dict, scheme: str, group_size: int | None = None, include_head: bool = False) -> dict:
-    """-> a new params dict with the linear weights quantized (the input is not modified).
+    """-> a new params dict with the linear weights quantized (the input is not modified;
+    layer weights stored one array per layer, a GPU backend's layout, stay so).
 
     group_size: rows per scale (int8: default per channel; int4: default 128,
     see default_group_size; fp8 is always per channel)."""
@@ -59,7 +61,9 @@ def quantize_params(params: dict, scheme: str, group_size: int | None = None, in
     out = dict(params)
     layers = dict(params["layers"])
     for key in LINEAR_KEYS:
-        layers[key] = quantize_weight(layers[key], scheme, group_size, name=f"layers/{key}")
+        w, name = layers[key], f"layers/{key}"
+        layers[key] = (PerLayer(quantize_weight(x, scheme, group_size, name) for x in w) if isinstance(w, PerLayer)
+                       else quantize_weight(w, scheme, group_size, name))
     out["layers"] = layers
     if include_head:
         head = params["lm_head"] if "lm_head" in params else params["embed"].T

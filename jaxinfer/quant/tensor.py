@@ -33,7 +33,7 @@ activation_block  0: the weight multiplies the activations as they are (its
         value above, exactly). N > 0: the activations are first quantized to
         int8 in blocks of N inputs (quant/schemes.py, int8_blocks: how
         llama.cpp multiplies a GGUF's blocks), so x @ w is int8_blocks(x) @
-        value; the CPU kernel (quant/cpu_matmul.py) then multiplies int8 by
+        value; the CPU kernel (native/matmul.py) then multiplies int8 by
         int8 / int4 codes. Set by the "gguf-a8" load (loading/params.py).
 
 tile  0: data, scales and offsets as above. T > 0 (int8 / int4 only): the
@@ -42,12 +42,12 @@ tile  0: data, scales and offsets as above. T > 0 (int8 / int4 only): the
         in // group_size, T]: a native CPU kernel's task (T columns, every
         input) then streams one contiguous run of memory instead of T bytes
         from every row, which on the dev VM read 2x faster from memory
-        (loading/model.py tiles the stacked layer weights for the kernels,
-        quant/cpu_matmul.py). int4 data is also in nibble order: within each
+        (the CPU backend, backends/cpu.py, tiles the stacked layer weights
+        for the kernels of native/matmul.py). int4 data is also in nibble order: within each
         64 bytes of a tile's row, byte 4d + m holds column 16m + d, so that
         the kernel turns 16 codes into floats with a shift and a table
         lookup instead of widening bytes across the register
-        (cpu_matmul.cc, NibbleFloats). untiled() gives the plain layout,
+        (native/matmul.cc, NibbleFloats). untiled() gives the plain layout,
         which every other path takes.
 
 `scheme`, `group_size`, `activation_block` and `tile` are static (pytree metadata).
@@ -135,21 +135,6 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         parts = [self.data, self.scales] + ([self.offsets] if self.offsets is not None else [])
         return sum(p.size * p.dtype.itemsize for p in parts)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerOf:
-    """Layer `index` (traced) of a stacked QuantizedTensor [layers, ...],
-    left unsliced: what the model's layer scan hands linear() for quantized
-    weights, so that a native kernel can read the layer in place
-    (quant/cpu_matmul.py). Every other path takes `layer()`, the slice a
-    scan over the stacked weights would have given."""
-    stacked: QuantizedTensor
-    index: jax.Array
-
-    def layer(self) -> QuantizedTensor:
-        return jax.tree.map(lambda a: a[self.index], self.stacked).untiled()
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:

@@ -62,9 +62,10 @@ def load_draft_model(spec: SpeculativeConfig, target: Model, progress: bool = Tr
 
             params = shard_params(params, target.mesh)
         return Model(target.config, params, target.tokenizer, target.dtype,
-                     f"{target.source} ({spec.quantization} draft)", mesh=target.mesh)
+                     f"{target.source} ({spec.quantization} draft)", mesh=target.mesh, backend=target.backend)
     # On the target's mesh: the draft is sharded the same way (its head counts must allow it).
-    draft = load(spec.model, dtype=target.dtype, progress=progress, mesh=target.mesh, quantization=spec.quantization)
+    draft = load(spec.model, dtype=target.dtype, progress=progress, mesh=target.mesh, quantization=spec.quantization,
+                 backend=target.backend)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"speculative: the draft model {draft.source} has vocab_size {draft.config.vocab_size} but the target "
@@ -102,7 +103,8 @@ class DraftModelProposer(Proposer):
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
             draft.config, draft.params, cache, config.block_size, config.max_model_len, config.max_num_seqs,
-            config.max_num_batched_tokens, config.attention_backend, sampling=False, mesh=draft.mesh,
+            config.max_num_batched_tokens, draft.backend.with_attention(config.attention_backend), sampling=False,
+            mesh=draft.mesh,
             executable_cache=ExecutableCache.default(draft.mesh),
         )
         self.runner.warmup(progress)

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
-from jaxinfer.engine.spec.eagle_head import (DEFAULT_HEAD, draft_logits, for_cpu_kernels, head_features, load_head,
+from jaxinfer.engine.spec.eagle_head import (DEFAULT_HEAD, draft_logits, head_features, load_head,
                                              to_target_ids)
 from jaxinfer.engine.spec.proposer import Proposer
 from jaxinfer.utils import bucket_size, powers_of_two
@@ -57,9 +57,9 @@ def _buffer_attention(write_index, limit, num_entries: int):
     return attend
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_drafts"))
+@functools.partial(jax.jit, static_argnames=("config", "num_drafts", "backend"))
 def draft_tokens(head, target_params, tokens, features, first_position, lengths, *, config: ModelConfig,
-                 num_drafts: int):
+                 num_drafts: int, backend):
     """Greedy drafts [S, num_drafts] from window entries tokens [S, W],
     features [S, W, hidden] (entry i: token at position first_position + i
     and the feature of the position before it), the first lengths[s] valid."""
@@ -72,18 +72,19 @@ def draft_tokens(head, target_params, tokens, features, first_position, lengths,
     rows = jnp.arange(num_seqs)
     index = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), (num_seqs, window))
     out, cache = head_features(head, target_params, c, tokens, features, first_position[:, None] + index,
-                               _buffer_attention(index, lengths, num_entries), cache)
+                               _buffer_attention(index, lengths, num_entries), cache, backend=backend)
     feature = out[rows, lengths - 1]
     drafts = []
     for j in range(num_drafts):
         # The argmax over the draft vocabulary, as a target id (what is verified and fed back).
-        token = to_target_ids(head, jnp.argmax(draft_logits(head, target_params, c, feature), axis=-1).astype(jnp.int32))
+        logits = draft_logits(head, target_params, c, feature, backend=backend)
+        token = to_target_ids(head, jnp.argmax(logits, axis=-1).astype(jnp.int32))
         drafts.append(token)
         if j + 1 == num_drafts:
             break
         at = (lengths + j)[:, None]
         out, cache = head_features(head, target_params, c, token[:, None], feature[:, None], first_position[:, None] + at,
-                                   _buffer_attention(at, lengths + j + 1, num_entries), cache)
+                                   _buffer_attention(at, lengths + j + 1, num_entries), cache, backend=backend)
         feature = out[:, 0]
     return jnp.stack(drafts, axis=1)
 
@@ -97,8 +98,7 @@ class EagleProposer(Proposer):
         self.target = target
         self.config = target.config
         self.head, self.window = load_head(spec.model or DEFAULT_HEAD, target.config, target.dtype)
-        if target.mesh is None:  # the native kernel runs single-device programs only
-            self.head = for_cpu_kernels(self.head)
+        self.head = target.backend.eagle_head_layout(self.head)
         self.device_time = 0.0
         self.buckets = powers_of_two(1, engine_config.max_num_seqs)  # the runner's decode buckets
         self._features: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (end position, [<= window, hidden])
@@ -114,7 +114,8 @@ class EagleProposer(Proposer):
     def _draft(self, tokens, features, first_position, lengths) -> np.ndarray:
         start = time.perf_counter()
         out = np.asarray(draft_tokens(self.head, self.target.params, tokens, features.astype(self.target.dtype),
-                                      first_position, lengths, config=self.config, num_drafts=self.k))
+                                      first_position, lengths, config=self.config, num_drafts=self.k,
+                                      backend=self.target.backend))
         self.device_time += time.perf_counter() - start
         return out
 

@@ -47,11 +47,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
 from jaxinfer.models.layers import rms_norm, rope_inv_freq
-from jaxinfer.models.llama import compute_logits, decoder_layer, embed_tokens
-from jaxinfer.quant import cpu_matmul
-from jaxinfer.quant.linear import linear
-from jaxinfer.quant.params import quantize_weight
-from jaxinfer.quant.tensor import LayerOf
+from jaxinfer.models.llama import decoder_layer, embed_tokens
 
 # The head trained for the embedded default model (scripts/train_draft_head.py).
 DEFAULT_HEAD = Path(__file__).resolve().parents[3] / "checkpoints" / "eagle-smollm2-135m-instruct.safetensors"
@@ -94,35 +90,39 @@ def init_head(config: ModelConfig, key, target_params: dict | None = None) -> di
 
 
 def head_features(head: dict, target_params: dict, config: ModelConfig, tokens, features, positions,
-                  attention, kv_cache=None):
+                  attention, kv_cache=None, *, backend):
     """Run the head over entries (tokens [B, T], features [B, T, hidden] =
     f_{p-1}, positions [B, T] = p) with the given attention (models/attention
-    interface); returns (predicted features f^_p [B, T, hidden], kv_cache)."""
-    x = embed_tokens(target_params, tokens)
-    x = linear(jnp.concatenate([x, features.astype(x.dtype)], axis=-1), _in_dtype(head["fc"], x.dtype))
-    layer = {k: _in_dtype(w, x.dtype) for k, w in head["layer"].items()}
-    return decoder_layer(layer, config, x, positions, rope_inv_freq(config), attention, kv_cache, 0)
+    interface); returns (predicted features f^_p [B, T, hidden], kv_cache).
+    backend: the target's (backends/), whose eagle_head_layout laid the head out."""
+    with backend.precision():
+        x = embed_tokens(target_params, tokens)
+        x = backend.linear(jnp.concatenate([x, features.astype(x.dtype)], axis=-1), _in_dtype(head["fc"], x.dtype))
+        layer = {k: _in_dtype(w, x.dtype) for k, w in head["layer"].items()}
+        return decoder_layer(layer, config, x, positions, rope_inv_freq(config), attention, kv_cache, 0,
+                             backend=backend)
 
 
 def _in_dtype(w, dtype):
-    """A float weight cast to the activations' dtype; a quantized one
-    (for_cpu_kernels) as it is, for linear() to multiply."""
-    return w if isinstance(w, LayerOf) else w.astype(dtype)
+    """A float array cast to the activations' dtype; a weight the backend laid
+    out in another form (eagle_head_layout) as it is, for it to multiply."""
+    return w.astype(dtype) if isinstance(w, (jax.Array, np.ndarray)) else w
 
 
-def feature_logits(target_params: dict, config: ModelConfig, features):
+def feature_logits(target_params: dict, config: ModelConfig, features, *, backend):
     """The target's logits from (predicted) features: its final norm and head."""
-    return compute_logits(target_params, rms_norm(features, target_params["final_norm"], config.rms_norm_eps))
+    return backend.logits(target_params, rms_norm(features, target_params["final_norm"], config.rms_norm_eps))
 
 
-def draft_logits(head: dict, target_params: dict, config: ModelConfig, features):
+def draft_logits(head: dict, target_params: dict, config: ModelConfig, features, *, backend):
     """The head's logits from (predicted) features: over its draft vocabulary
     when it has one (the target's final norm, then the head's own lm_head),
     else the target's full logits."""
     if "lm_head" not in head:
-        return feature_logits(target_params, config, features)
+        return feature_logits(target_params, config, features, backend=backend)
     normed = rms_norm(features, target_params["final_norm"], config.rms_norm_eps)
-    return linear(normed, _in_dtype(head["lm_head"], normed.dtype)).astype(jnp.float32)
+    with backend.precision():
+        return backend.linear(normed, _in_dtype(head["lm_head"], normed.dtype)).astype(jnp.float32)
 
 
 def to_target_ids(head: dict, draft_ids):
@@ -201,22 +201,3 @@ def load_head(path, config: ModelConfig, dtype) -> tuple[dict, int]:
         head["d2t"] = jax.device_put(np.asarray(tensors["d2t"], np.int32))
     return head, int(meta["window"])
 
-
-def for_cpu_kernels(head: dict) -> dict:
-    """The head as drafting multiplies it on a CPU with the native kernel
-    (quant/cpu_matmul.py): each matrix int8 in groups of 64 rows, in the
-    kernel's tiles, as the one layer of a stack (LayerOf) so the kernel reads
-    it in place. A draft step then reads 9.5 MB instead of 36 MB of float32
-    (BENCHMARKS.md, issue 17). Drafts only propose, verification is by the
-    target, so the rounding can cost acceptance, never exactness. Elsewhere
-    (GPU, no AVX-512) the head is returned as it is."""
-    def quantized(w):
-        return quantize_weight(jnp.asarray(w, jnp.float32)[None], "int8", group_size=64)
-
-    top = {k: quantized(head[k]) for k in ("fc", "lm_head") if k in head}
-    layer = {k: quantized(w) for k, w in head["layer"].items() if w.ndim == 2}  # not the norms
-    if not all(cpu_matmul.tileable(q) for q in [*top.values(), *layer.values()]):
-        return head
-    stacked = lambda q: LayerOf(q.tiled(cpu_matmul.TILE), jnp.int32(0))  # noqa: E731
-    return {**head, **{k: stacked(q) for k, q in top.items()},
-            "layer": {**head["layer"], **{k: stacked(q) for k, q in layer.items()}}}

@@ -1,6 +1,6 @@
-// How the native CPU kernels (models/cpu_paged_attention.cc,
-// quant/cpu_matmul.cc, quant/cpu_q8_matmul.cc) spread their tasks over the
-// cores: one rule, stated here once. utils.native_library builds every kernel with this header.
+// How the native CPU kernels (paged_attention.cc,
+// matmul.cc, q8_matmul.cc) spread their tasks over the
+// cores: one rule, stated here once. build.py builds every kernel with this header.
 #pragma once
 
 #include <algorithm>

@@ -1,7 +1,7 @@
 // Matmul of float32 activations by grouped int8 / int4 weights, with the
 // activations quantized to int8 on the fly in blocks of 32 inputs (the way
 // llama.cpp multiplies its Q4/Q8 blocks by Q8 activations), for XLA:CPU
-// through the XLA FFI (quant/cpu_matmul.py builds and registers it).
+// through the XLA FFI (native/matmul.py builds and registers it).
 //
 // Why: past a few rows a float32 matmul is compute-bound on the dev VM's two
 // cores (16 multiply-adds per AVX-512 FMA). An int8 x uint8 dot (AVX512-VNNI
@@ -10,7 +10,7 @@
 // time; elsewhere the build fails on purpose and quant/linear.py runs the
 // same numbers in XLA.
 //
-// Arguments as cpu_matmul.cc (data [L, in(/2), out] int8 or packed uint8
+// Arguments as matmul.cc (data [L, in(/2), out] int8 or packed uint8
 // int4, scales / offsets [L, in / group, out], layer), plus out % 64 == 0,
 // and scales and offsets may be float16 (quant/params.py stores a GGUF's own
 // float16 d and m so: half the bytes, the same values).
@@ -45,7 +45,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "jaxinfer/cpu_parallel.h"
+#include "jaxinfer/native/parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -1,10 +1,10 @@
 // Matmul of a few rows of float32 activations by grouped int8 / int4 weights for
-// XLA:CPU, through the XLA FFI (quant/cpu_matmul.py builds and registers it).
+// XLA:CPU, through the XLA FFI (native/matmul.py builds and registers it).
 //
 // Why it exists: XLA does not fuse a convert into a dot, so quant/linear.py's
 // XLA path writes a float32 copy of every weight on every call; at a few rows
 // (decode at small batches, speculative verification) that copy is the step,
-// and up to 128 rows this kernel's float dots still win (quant/cpu_matmul.py,
+// and up to 128 rows this kernel's float dots still win (native/matmul.py,
 // MAX_ROWS says where it stops paying). Here
 // the codes are read once, in place, from the stacked weights of all layers
 // (a per-layer slice handed to a custom call would itself be copied by XLA).
@@ -28,7 +28,7 @@
 // then data, scales and offsets of each weight; the results each weight's out.
 //
 // Work: the output columns are cut into tasks shared by the calling thread
-// and the helper threads (cpu_parallel.h), numbered in the order of the
+// and the helper threads (parallel.h), numbered in the order of the
 // memory they read; a task streams its columns of each weight row in order.
 // Plain weights at up to 8 rows (MatmulChunk) read each chunk once per
 // block of 8 rows (the first from memory, the others from the cache); tiled
@@ -44,7 +44,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "jaxinfer/cpu_parallel.h"
+#include "jaxinfer/native/parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

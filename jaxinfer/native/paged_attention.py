@@ -1,6 +1,6 @@
 """Attention over the paged KV cache on CPU as a native XLA FFI kernel
-(cpu_paged_attention.cc), built from source with the machine's C++ compiler
-the first time it is needed (jaxinfer/utils.py, native_library).
+(paged_attention.cc), built from source with the machine's C++ compiler
+the first time it is needed (native/build.py).
 
 Why native code: in jnp (models/paged_attention.py) each tile of keys is
 gathered into a new array and transposed for a batched dot; XLA:CPU runs
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.utils import native_ffi_target
+from jaxinfer.native.build import native_ffi_target
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_paged_attention"

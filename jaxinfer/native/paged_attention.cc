@@ -1,5 +1,5 @@
 // Attention over the paged KV cache for XLA:CPU, called through the XLA FFI
-// (models/cpu_paged_attention.py builds and registers it): decode,
+// (native/paged_attention.py builds and registers it): decode,
 // speculative verification, and prompt steps (chunks mixed with decode rows).
 //
 // Why it exists: written in jnp, each tile of keys is gathered from the pool
@@ -31,7 +31,7 @@
 // x G query heads (kept in a buffer), a softmax per row, then the weighted
 // sum of values; the chunks' results merged per row (MergeChunks). Tasks
 // are shared between the calling thread and XLA's intra-op thread pool
-// (cpu_parallel.h).
+// (parallel.h).
 #if defined(__AVX512F__)
 #include <immintrin.h>  // only the AVX-512 paths; the rest builds on any CPU
 #endif
@@ -44,14 +44,14 @@
 #include <type_traits>
 #include <vector>
 
-#include "jaxinfer/cpu_parallel.h"
+#include "jaxinfer/native/parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxHeadDim = 512;  // cpu_paged_attention.py's MAX_HEAD_DIM
+constexpr int kMaxHeadDim = 512;  // paged_attention.py's MAX_HEAD_DIM
 
 float Fp8E4m3fnToFloat(uint8_t bits) {
   const int sign = bits >> 7, exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;

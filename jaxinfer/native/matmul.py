@@ -1,11 +1,11 @@
 """Matmuls by grouped int8 / int4 weights on CPU as native XLA FFI kernels,
-built with the machine's C++ compiler on first use (jaxinfer/utils.py,
+built with the machine's C++ compiler on first use (native/build.py,
 native_library):
 
-  cpu_matmul.cc     float32 activations, up to max_rows() rows: the weight's
+  matmul.cc         float32 activations, up to max_rows() rows: the weight's
                     exact value; one call may take several weights of one
                     layer (a layer's q, k and v: quantized_matmuls)
-  cpu_q8_matmul.cc  activations quantized to int8 blocks on the fly (weights
+  q8_matmul.cc      activations quantized to int8 blocks on the fly (weights
                     with activation_block, quant/tensor.py), any number of
                     rows: int8 dots (AVX512-VNNI; without it the build fails
                     and quant/linear.py multiplies the same numbers in XLA)
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.quant.tensor import QuantizedTensor
-from jaxinfer.utils import cpu_has, native_ffi_target
+from jaxinfer.native.build import cpu_has, native_ffi_target
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_quantized_matmul"
@@ -45,7 +45,7 @@ TARGET_NAME = "jaxinfer_quantized_matmul"
 # keeps the earlier limit.
 MAX_ROWS = 512
 MAX_ROWS_WITHOUT_AVX512 = 8
-Q8_SOURCE = Path(__file__).with_name("cpu_q8_matmul.cc")
+Q8_SOURCE = Path(__file__).with_name("q8_matmul.cc")
 Q8_TARGET_NAME = "jaxinfer_q8_matmul"
 Q8_COLUMNS = 64  # the int8-activation kernel's output columns per tile
 # Columns per tile of a tiled weight (quant/tensor.py), the width the exact

@@ -1,0 +1,39 @@
+"""Platforms as backends: everything platform-specific, chosen once at load.
+
+    xla.py   XlaBackend: the interface, and the plain XLA reference (any platform)
+    cpu.py   CpuBackend: the native C++ kernels (jaxinfer/native/), scan over stacked weights
+    gpu.py   GpuBackend: the Pallas kernels (pallas_kernels/), unrolled over per-layer weights
+
+`choose_backend` picks one from the platform the model runs on; load()
+stores it on the Model, and the engine's programs take it as a static
+argument with the attention_backend option set inside it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxinfer.backends.cpu import CpuBackend
+from jaxinfer.backends.gpu import GpuBackend
+from jaxinfer.backends.xla import XlaBackend
+
+Backend = XlaBackend  # the interface every backend implements
+
+__all__ = ["Backend", "CpuBackend", "GpuBackend", "XlaBackend", "backend_class", "choose_backend"]
+
+
+def backend_class(platform: str | None = None) -> type[XlaBackend]:
+    """The backend of `platform` (default: JAX's default backend)."""
+    platform = platform or jax.default_backend()
+    return {"cpu": CpuBackend, "gpu": GpuBackend}.get(platform, XlaBackend)
+
+
+def choose_backend(mesh=None, allow_tf32: bool = False, attention: str | None = None) -> XlaBackend:
+    """The backend of a model on `mesh` (None: the default device): the
+    platform's, with the attention_backend option `attention` (None: the
+    platform's default). allow_tf32: the opt-in to TF32 dots for a float32
+    model off CPU (see with_dtype, which load() applies once the dtype is known)."""
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    cls = backend_class(platform)
+    fields = {"native": mesh is None} if cls is CpuBackend else {}  # GSPMD cannot split a custom call
+    return cls(allow_tf32=allow_tf32, **fields).with_attention(attention)

@@ -1,0 +1,111 @@
+"""The GPU backend: weights one array per layer, the layers unrolled, the
+Pallas kernels (pallas_kernels/) for attention and for quantized weights at
+a few rows.
+
+  layout       every layer weight as PerLayer (quant/layer_weights.py): one
+               array per layer. A lax.scan over stacked [layers, ...]
+               weights makes XLA materialise each layer's slice before the
+               GEMM: a one-row matvec over 32 stacked 4096 x 14336 bf16
+               layers ran at 1,231 GB/s on an H200, the same layers as
+               separate arrays at 3,800 GB/s (DESIGN.md; BENCHMARKS.md, "GPU").
+  layer loop   a Python loop over the layers (one traced body per layer:
+               more to compile than a scan, each weight read once in place).
+  operations   quantized weights through pallas_kernels/quantized_matmul.py
+               up to PALLAS_MAX_ROWS rows; attention through the Pallas
+               decode and prefill kernels (attention_backend "pallas", the
+               default here); everything else XLA's.
+  settings     float32 dots at full precision unless TF32 is asked for
+               (choose_backend), wide default batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.backends.xla import XlaBackend
+from jaxinfer.quant.layer_weights import PerLayer
+from jaxinfer.quant.linear import linear
+from jaxinfer.quant.schemes import int8_blocks
+from jaxinfer.quant.tensor import QuantizedTensor
+from jaxinfer.utils import powers_of_two
+
+# Rows up to which the fused kernel is used (decode batches). A matmul of
+# `rows` rows does 2 * rows flops per weight; the kernel reads 0.5 (int4)
+# or 1 (int8) byte per weight, so it stays memory bound until rows reaches
+# roughly 35 (int4) / 70 (int8) on an H100/H200 (~150 flops per byte), while
+# XLA's dequantize + GEMM moves about 4 extra bytes per weight (writing and
+# re-reading the dequantized copy). Past 64 rows the dot's efficiency
+# decides, where XLA's GEMM is the safer choice. Not yet timed on a GPU.
+PALLAS_MAX_ROWS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuBackend(XlaBackend):
+    name: ClassVar[str] = "gpu"
+    # Wide batches fill a GPU; its compile grid may be larger.
+    max_num_seqs: ClassVar[int] = 128
+    max_num_batched_tokens: ClassVar[int] = 2048
+    default_attention: ClassVar[str] = "pallas"
+    # An unrolled model's compilation is long and mostly one thread's work;
+    # a GPU's host has the cores to run several.
+    compile_threads: ClassVar[int] = 8
+    # An XLA conditional on a GPU copies its predicate to the host and waits
+    # for it: the host stalls until the step so far has run, so it can queue
+    # nothing ahead, and the step splits into several CUDA graphs. Optional
+    # sampler work is computed always and selected per row instead.
+    conditional_skips: ClassVar[bool] = False
+    # A decode step of a few ms on the device leaves the host's work per step
+    # (scheduling, inputs, outputs) exposed unless it overlaps the next.
+    async_scheduling: ClassVar[bool] = True
+
+    attention: str = "pallas"
+
+    def decode_buckets(self, max_num_seqs: int) -> list[int]:
+        """Powers of four (and the largest): each is a whole unrolled model to
+        compile, and a decode step is bound by reading the weights, which
+        padding rows do not add to (a padding row attends to no keys)."""
+        sizes = powers_of_two(1, max_num_seqs)
+        return [n for n in sizes if n.bit_length() % 2 == 1 or n == sizes[-1]]
+
+    def mixed_seq_buckets(self, num_tokens: int, seq_buckets: list[int]) -> list[int]:
+        """One sequence bucket per token bucket (as many as it has tokens, up
+        to the largest): each program is a whole unrolled model to compile,
+        and padding sequences cost a mixed step almost nothing (a table row
+        and a context length each, attended to over no keys)."""
+        return [min(num_tokens, seq_buckets[-1])]
+
+    def layout(self, params: dict) -> dict:
+        """Every stacked layer weight as one array per layer. The stacked copy
+        of each is dropped as soon as it is split, so the extra memory is one
+        weight's at a time."""
+        layers = params["layers"]
+        for key in layers:
+            if not isinstance(layers[key], PerLayer):
+                layers[key] = PerLayer.unstack(layers[key])
+        return params
+
+    def run_layers(self, body, carry, layers: dict, num_layers: int):
+        with self.precision():
+            for i in range(num_layers):
+                p = {k: w[i] if isinstance(w, PerLayer) else jax.tree.map(lambda a: a[i], w)
+                     for k, w in layers.items()}
+                carry = body(carry, p, jnp.int32(i))
+        return carry
+
+    def linear(self, x, w):
+        rows = math.prod(x.shape[:-1])
+        if isinstance(w, QuantizedTensor) and rows <= PALLAS_MAX_ROWS:
+            from pallas_kernels import quantized_matmul
+
+            plain = w.untiled()
+            if plain.data.ndim == 2 and quantized_matmul.supports(plain.data, plain.scheme, plain.group_size, rows):
+                xq = int8_blocks(x, w.activation_block) if w.activation_block else x
+                y = quantized_matmul.quantized_matmul(xq.reshape(rows, -1), plain.data, plain.scales, plain.offsets,
+                                                      scheme=plain.scheme, group_size=plain.group_size)
+                return y.astype(x.dtype).reshape(*x.shape[:-1], plain.out_features)
+        return linear(x, w)

@@ -1,0 +1,198 @@
+"""The backend seam, and its plain XLA implementation: the reference that runs
+on any platform and that every other backend's kernels are tested against.
+
+A backend is chosen once, when a model is loaded (backends/__init__.py,
+choose_backend), and holds every platform decision, so that the model code
+(models/llama.py) reads as one forward pass:
+
+  loading      the quantization "auto" picks, which head forms a GGUF load
+               keeps, and how the loaded weights are laid out (`layout`:
+               stacked as loaded, tiled for a CPU kernel, one array per layer)
+  layer loop   `run_layers`: how the layers are iterated over that layout
+  operations   `linear` / `linears` (every weight scheme, fused projections),
+               `logits` (the head), `paged_attention` and
+               `verification_attention` (prefill and decode over the paged
+               pool; the attention_backend option is a choice within the
+               backend: `attention`)
+  settings     the float32 matmul precision of every program, the XLA
+               compiler options of the engine's programs, the engine's
+               default batch sizes, and process set-up (kernel builds,
+               host memory)
+
+A backend is a frozen dataclass: hashable, so the jitted programs take it as
+a static argument, and its repr (part of the executable cache's key) names
+every field that changes what they compile to. Adding a platform means
+adding a backend, not editing the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.models.attention import AttentionFn
+from jaxinfer.models.paged_attention import (PagedAttentionMetadata, check_attention_backend, paged_cache_attention,
+                                             verification_attention)
+from jaxinfer.quant.linear import linear
+from jaxinfer.utils import powers_of_two
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaBackend:
+    """Plain XLA on any platform: weights stacked [layers, ...] as loaded, the
+    layers under one lax.scan (the compiled program holds one layer body
+    whatever the depth), every operation in jnp (quant/linear.py,
+    models/paged_attention.py), no platform setting."""
+
+    name: ClassVar[str] = "xla"
+    # The engine's defaults on this platform (engine/config.py): every (tokens,
+    # seqs) bucket pair compiles at start-up, so a CPU keeps the grid small.
+    max_num_seqs: ClassVar[int] = 16
+    max_num_batched_tokens: ClassVar[int] = 256
+    default_attention: ClassVar[str] = "xla"
+    # Programs the engine compiles at once at start-up (engine/runner.py).
+    compile_threads: ClassVar[int] = 1
+    # Whether programs skip work no row of a batch needs with lax.cond
+    # (engine/sampler.py), or compute it and select per row.
+    conditional_skips: ClassVar[bool] = True
+    # The engine's default for async_scheduling (engine/config.py).
+    async_scheduling: ClassVar[bool] = False
+
+    # The attention_backend option (models/paged_attention.py, ATTENTION_BACKENDS).
+    attention: str = "xla"
+    # Let a float32 model's dots run as TF32 (the explicit opt-in; with_dtype).
+    allow_tf32: bool = False
+    # jax.default_matmul_precision inside the layer loop and the head (None:
+    # JAX's default for the platform); set by with_dtype.
+    matmul_precision: str | None = None
+
+    def __post_init__(self):
+        check_attention_backend(self.attention)
+
+    def with_attention(self, attention: str | None) -> XlaBackend:
+        """The same backend with the attention_backend option set (None: this platform's default)."""
+        return dataclasses.replace(self, attention=attention or self.default_attention)
+
+    def with_dtype(self, dtype) -> XlaBackend:
+        """The backend for a model computing in `dtype` (load() binds it).
+        float32 means float32: JAX runs a float32 dot as TF32 on a GPU (and
+        in bfloat16 passes on a TPU) unless it asks for full precision, so a
+        float32 model's programs are traced with precision "highest" unless
+        allow_tf32. Other dtypes keep JAX's default."""
+        full = np.dtype(dtype) == np.float32 and not self.allow_tf32
+        return dataclasses.replace(self, matmul_precision="highest" if full else None)
+
+    def auto_dtype(self, stored) -> np.dtype:
+        """What dtype="auto" computes in, given the dtype the checkpoint stores
+        its float weights in (None: not a float dtype, e.g. GGUF blocks): as
+        stored (vLLM's rule), bfloat16 for block-quantized files."""
+        return np.dtype(stored) if stored is not None else np.dtype(jnp.bfloat16)
+
+    # -- loading ---------------------------------------------------------------
+    def auto_quantization(self, source) -> str | None:
+        """What quantization="auto" loads `source` as: here as stored."""
+        return None
+
+    def keeps_gguf_head_quantized(self) -> bool:
+        """Whether a "gguf" load keeps a head the file stores quantized in its
+        blocks (else it is loaded float)."""
+        return True
+
+    def wants_tied_head_as_stored(self, quantization: str | None) -> bool:
+        """Whether a load that dequantizes a tied model's head also keeps the
+        file's own blocks of it as params["few_row_head"] (a CPU kernel's)."""
+        return False
+
+    def layout(self, params: dict) -> dict:
+        """Loaded params (layer weights stacked [layers, ...]) -> the layout
+        this backend's run_layers and operations read. Here: as loaded."""
+        return params
+
+    # -- process and engine settings ---------------------------------------------
+    def start_kernel_builds(self, quantization: str | None) -> None:
+        """Start building the platform's kernels in the background (at LLM()
+        start, while the weights load)."""
+
+    def start_engine(self) -> None:
+        """Process settings an engine on this platform wants (LLMEngine start)."""
+
+    def decode_buckets(self, max_num_seqs: int) -> list[int]:
+        """The batch sizes the engine compiles a pure-decode (and a
+        verification) step for: every power of two up to max_num_seqs."""
+        return powers_of_two(1, max_num_seqs)
+
+    def mixed_seq_buckets(self, num_tokens: int, seq_buckets: list[int]) -> list[int]:
+        """The sequence-count buckets the engine compiles a mixed step (prompt
+        chunks and decode rows) of num_tokens tokens for, out of seq_buckets
+        (each (tokens, seqs) pair is a program): every one up to num_tokens."""
+        return [s for s in seq_buckets if s <= num_tokens]
+
+    def compiler_options(self) -> dict | None:
+        """XLA options the engine compiles its programs with (jax's
+        Lowered.compile(compiler_options=...)): per program, so nothing
+        leaks into the user's own jitted code. None: XLA's defaults. (They
+        are a function of the backend's class and fields, whose repr keys
+        the executable cache.)"""
+        return None
+
+    def precision(self):
+        """The context every model computation is traced in (matmul_precision)."""
+        if self.matmul_precision is None:
+            return contextlib.nullcontext()
+        return jax.default_matmul_precision(self.matmul_precision)
+
+    # -- the layer loop ------------------------------------------------------------
+    def run_layers(self, body, carry, layers: dict, num_layers: int):
+        """carry = body(carry, p, layer_index) for each layer in order, where p
+        holds that layer's weights (layers' leaves without their layer axis)
+        and layer_index is an int32 scalar (traced here)."""
+        def step(carry, per_layer):
+            p, layer_index = per_layer
+            return body(carry, p, layer_index), None
+
+        with self.precision():
+            carry, _ = jax.lax.scan(step, carry, (layers, jnp.arange(num_layers, dtype=jnp.int32)))
+        return carry
+
+    # -- operations ----------------------------------------------------------------
+    def linear(self, x, w):
+        """x [..., in] @ one layer's weight w (as run_layers hands it, or a
+        model-level one) -> [..., out] in x.dtype."""
+        return linear(x, w)
+
+    def linears(self, x, ws: list) -> list:
+        """[linear(x, w) for w in ws]: weights on the same input (a layer's q,
+        k and v; gate and up), which a kernel may take in one call."""
+        return [self.linear(x, w) for w in ws]
+
+    def logits(self, params: dict, hidden) -> jax.Array:
+        """Hidden states [..., hidden] -> float32 vocabulary logits: the head
+        (an untied or quantized lm_head), else the tied embedding table."""
+        with self.precision():
+            if "lm_head" in params:
+                logits = self.linear(hidden, params["lm_head"])
+            else:
+                logits = jnp.einsum("...d,vd->...v", hidden, params["embed"])
+        return logits.astype(jnp.float32)
+
+    def paged_attention(self, meta: PagedAttentionMetadata, sliding_window, decode: bool, mesh) -> AttentionFn:
+        """The attention of a step over the paged pool (models/attention.py's
+        interface); decode: one new token per sequence."""
+        return paged_cache_attention(meta, sliding_window, self.attention, decode, mesh)
+
+    def verification_attention(self, meta: PagedAttentionMetadata, rows: int, sliding_window, mesh) -> AttentionFn:
+        """The attention of a step with exactly `rows` query rows per sequence
+        (speculative verification)."""
+        return verification_attention(meta, rows, sliding_window, self.attention, mesh)
+
+    # -- speculative decoding ---------------------------------------------------------
+    def eagle_head_layout(self, head: dict) -> dict:
+        """An EAGLE draft head's weights (engine/spec/eagle_head.py) as this
+        backend's drafting multiplies them: here as loaded."""
+        return head
+

@@ -1,0 +1,12 @@
+"""The native CPU kernels: C++ XLA FFI handlers, each beside its Python wrapper
+(the way pallas_kernels/ holds the GPU kernels), and the code that builds,
+caches and registers them.
+
+    build.py                  compile with the machine's C++ compiler, cache, load, register
+    parallel.h                the thread pool and helpers every kernel shares
+    matmul.cc, q8_matmul.cc   x @ a quantized weight (float or int8-rounded activations); matmul.py
+    paged_attention.cc        attention over the paged KV pool; paged_attention.py
+
+Only the CPU backend (jaxinfer/backends/cpu.py) calls them; the plain jnp
+path each replaces is the reference their tests compare against.
+"""

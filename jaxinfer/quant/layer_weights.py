@@ -1,0 +1,68 @@
+"""The two forms in which a layer weight can reach the layer loop besides a
+stacked array [layers, ...]: which one a model runs with is its backend's
+choice (jaxinfer/backends/).
+
+  LayerOf   one layer of a stacked weight, left unsliced: the CPU backend's
+            scan hands its native kernels the whole stack plus the (traced)
+            layer index, because XLA would copy a slice handed to a custom
+            call first. Every other path takes `layer()`, the slice a scan
+            over the stacked weight would have given.
+  PerLayer  one array (or QuantizedTensor) per layer, the GPU backend's
+            storage: its unrolled loop then hands each GEMM a whole array in
+            place, where a scan over a stack made XLA copy every layer's
+            slice before the GEMM (BENCHMARKS.md, "GPU").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxinfer.quant.tensor import QuantizedTensor
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerOf:
+    """Layer `index` (traced) of a stacked QuantizedTensor [layers, ...]."""
+    stacked: QuantizedTensor
+    index: jax.Array
+
+    def layer(self) -> QuantizedTensor:
+        return jax.tree.map(lambda a: a[self.index], self.stacked).untiled()
+
+
+@jax.tree_util.register_pytree_node_class
+class PerLayer:
+    """A weight of every layer as separate arrays (or QuantizedTensors):
+    `per_layer[i]` is layer i's, of the stacked weight's shape without the
+    layer axis."""
+
+    def __init__(self, layers):
+        self.layers = tuple(layers)
+
+    def __getitem__(self, index: int):
+        return self.layers[index]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def tree_flatten(self):
+        return self.layers, None
+
+    @classmethod
+    def tree_unflatten(cls, _, layers):
+        return cls(layers)
+
+    @classmethod
+    def unstack(cls, stacked) -> PerLayer:
+        """A stacked array or QuantizedTensor [layers, ...] as one per layer."""
+        num_layers = jax.tree.leaves(stacked)[0].shape[0]
+        return cls(jax.tree.map(lambda a: a[i], stacked) for i in range(num_layers))
+
+    def stacked(self):
+        """The stacked [layers, ...] form again."""
+        import jax.numpy as jnp
+
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *self.layers)

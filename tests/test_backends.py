@@ -1,0 +1,168 @@
+"""The platform backends (jaxinfer/backends/), checked on CPU.
+
+The GPU backend's programs are cross-lowered for CUDA (as the Pallas kernel
+tests do) and read: its decode step hands every layer's weight to its GEMM
+as a whole array (no dynamic slice of a stacked weight, which XLA copies
+before a GPU GEMM), and a float32 model's dots ask for full precision. Its
+layout and unrolled layer loop also run here, with the Pallas attention in
+interpret mode, against HF transformers."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer.backends import CpuBackend, GpuBackend, XlaBackend, choose_backend
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import LLMEngine
+from jaxinfer.engine.inputs import build_inputs
+from jaxinfer.engine.programs import forward_step
+from jaxinfer.models.kv_cache import allocate_kv_cache
+from jaxinfer.models.llama import param_shapes
+from jaxinfer.quant.layer_weights import PerLayer
+from jaxinfer.quant.params import LINEAR_KEYS, quantize_params
+from jaxinfer.sampling_params import SamplingParams
+from tests.tiny_models import assert_logits_close, hf_greedy, hf_logits, make_hf_model, save_hf_model
+
+# Distinct sizes, so that a stacked weight's shape names it in the module text.
+CONFIG = ModelConfig(architecture="llama", vocab_size=160, hidden_size=64, intermediate_size=96, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+BLOCK_SIZE, NUM_BLOCKS, NUM_SEQS = 16, 8, 2
+
+
+def random_params(dtype=jnp.float32) -> dict:
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda shape: jnp.asarray(rng.standard_normal(shape) * 0.1, dtype), param_shapes(CONFIG),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def lowered_decode_step(backend, params, dtype=jnp.float32) -> str:
+    """The engine's decode forward for NUM_SEQS sequences, lowered for CUDA."""
+    params = backend.layout(params)
+    cache = allocate_kv_cache(CONFIG, NUM_BLOCKS, BLOCK_SIZE, dtype)
+    inputs = build_inputs([], [], [], [], num_tokens=NUM_SEQS, num_seqs=NUM_SEQS, layout="decode",
+                          block_size=BLOCK_SIZE, max_blocks_per_seq=4)
+    traced = forward_step.trace(params, cache, *inputs[:3], config=CONFIG, backend=backend, layout="decode")
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def stacked_weight_types(dtype: str) -> list[str]:
+    """The MLIR types of the seven stacked [layers, in, out] layer weights."""
+    shapes = param_shapes(CONFIG)["layers"]
+    return sorted({f"tensor<{'x'.join(map(str, shapes[k]))}x{dtype}>" for k in LINEAR_KEYS})
+
+
+def dynamic_slices_of(text: str, types: list[str]) -> list[str]:
+    return [line for line in text.splitlines() if "stablehlo.dynamic_slice" in line
+            and any(f"({t}" in line for t in types)]
+
+
+def weights_read_in_place(text: str, op: str) -> int:
+    """How many `op`s (a dot_general, or a call of the Pallas matmul) take a
+    weight straight from the program's arguments (%argN), not a copy."""
+    return len(re.findall(rf"{op}\(?%[\w#]+, %arg\d+[,)]", text))
+
+
+def test_gpu_decode_step_reads_each_layer_weight_in_place():
+    """The GPU backend's weights are one array per layer and its loop is
+    unrolled: every layer's seven GEMMs take their weight straight from the
+    program's arguments, and no stacked weight exists to be sliced. The
+    scanned reference backend slices every stacked weight each layer (what
+    made XLA copy them on the GPU), which this check sees."""
+    types = stacked_weight_types("f32")
+    gpu = lowered_decode_step(GpuBackend(), random_params())
+    assert weights_read_in_place(gpu, "stablehlo.dot_general ") == len(LINEAR_KEYS) * CONFIG.num_layers + 1  # + head
+    assert not dynamic_slices_of(gpu, types) and not any(t in gpu for t in types)
+    scanned = lowered_decode_step(XlaBackend(attention="pallas"), random_params())
+    assert {t for t in types if any(t in line for line in dynamic_slices_of(scanned, types))} == set(types)
+
+
+def test_gpu_quantized_weights_reach_the_pallas_kernel_per_layer():
+    """int8 weights at decode: every layer's seven projections through the
+    Pallas matmul (a Triton call), each reading its codes and scales straight
+    from the program's arguments."""
+    params = quantize_params(random_params(), "int8")
+    text = lowered_decode_step(GpuBackend(), params)
+    assert weights_read_in_place(text, r"call @quantized_matmul\w*") == len(LINEAR_KEYS) * CONFIG.num_layers
+    assert not dynamic_slices_of(text, stacked_weight_types("i8"))
+
+
+def dot_precisions(text: str) -> list[str]:
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert dots
+    return ["HIGHEST" if "precision = [HIGHEST, HIGHEST]" in line else "DEFAULT" for line in dots]
+
+
+def test_float32_means_float32_on_gpu():
+    """A float32 model's every dot asks for full precision on a GPU (JAX's
+    default there is TF32); allow_tf32 is the opt-in; bfloat16 is left as it
+    is; and the setting is the program's own, not the process's."""
+    cpu = choose_backend().with_dtype(jnp.float32)
+    assert isinstance(cpu, CpuBackend) and cpu.matmul_precision is None  # XLA:CPU computes float32 anyway
+    float32 = lowered_decode_step(GpuBackend().with_dtype(jnp.float32), random_params())
+    assert set(dot_precisions(float32)) == {"HIGHEST"}
+    tf32 = lowered_decode_step(GpuBackend(allow_tf32=True).with_dtype(jnp.float32), random_params())
+    assert set(dot_precisions(tf32)) == {"DEFAULT"}
+    bf16 = lowered_decode_step(GpuBackend().with_dtype(jnp.bfloat16), random_params(jnp.bfloat16), jnp.bfloat16)
+    assert set(dot_precisions(bf16)) == {"DEFAULT"}
+    assert jax.config.jax_default_matmul_precision is None
+
+
+def test_dtype_auto_is_the_checkpoints_off_cpu(tmp_path):
+    """dtype="auto" (vLLM's default): the dtype transformers stored the weights
+    in on a GPU, float32 on CPU (exact for a bfloat16 checkpoint, and fast)."""
+    import torch
+
+    directory = save_hf_model(make_hf_model("llama", seed=8).to(torch.bfloat16), tmp_path)
+    assert jaxinfer.load(str(directory), progress=False).dtype == np.float32
+    on_gpu = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(attention="jnp"))
+    assert on_gpu.dtype == jnp.bfloat16 and on_gpu.backend.matmul_precision is None
+    assert on_gpu.params["layers"]["wq"][0].dtype == jnp.bfloat16
+
+
+def test_per_layer_layout_round_trips():
+    params = random_params()
+    stacked = params["layers"]["w_up"]
+    laid_out = GpuBackend().layout({**params, "layers": dict(params["layers"])})
+    per_layer = laid_out["layers"]["w_up"]
+    assert isinstance(per_layer, PerLayer) and len(per_layer) == CONFIG.num_layers
+    np.testing.assert_array_equal(np.asarray(per_layer.stacked()), np.asarray(stacked))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    hf_model = make_hf_model("qwen2", seed=4)  # tied head and q/k/v biases
+    return hf_model, save_hf_model(hf_model, tmp_path_factory.mktemp("qwen2"))
+
+
+def test_gpu_backend_model_matches_transformers(tiny):
+    """The GPU layout and unrolled loop give HF's logits (cache-free forward)."""
+    hf_model, directory = tiny
+    model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(attention="pallas_interpret"))
+    assert all(isinstance(w, PerLayer) for w in model.params["layers"].values())
+    tokens = np.random.default_rng(5).integers(0, hf_model.config.vocab_size, 40)
+    assert_logits_close(model.logits(tokens), hf_logits(hf_model, tokens))
+
+
+def test_gpu_backend_engine_generates_as_transformers(tiny):
+    """The engine on the GPU backend (Pallas attention in interpret mode, the
+    KV pool written layer by layer in the unrolled loop): HF's greedy tokens,
+    through prefill chunks and decode steps."""
+    hf_model, directory = tiny
+    model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend())
+    engine = LLMEngine(model, EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                                           attention_backend="pallas_interpret", background_compile=False),
+                       progress=False)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, hf_model.config.vocab_size, n).tolist() for n in (21, 5)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, prompt in enumerate(prompts):
+        assert list(done[str(i)].outputs[0].token_ids) == hf_greedy(hf_model, prompt, 6)
