@@ -12,6 +12,11 @@ problem; the engine keeps serving the others. A request's LoRA adapter is
 read and checked there too (on first sight; lora/adapter.py), so a bad
 adapter is that request's error.
 
+A step that raises (a bug, a device error) fails the requests it held,
+with RequestOutput.error naming the exception (internal_error set), and the
+engine goes on with the others; only a step that lost the KV pool (donated
+to a forward that never returned it) is fatal.
+
 Structured outputs: a request with `structured_outputs` waits here, outside
 the scheduler, while its grammar compiles on the compiler's worker thread
 (structured/grammar.py); each step admits the requests whose grammar is
@@ -41,6 +46,7 @@ from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 from jaxinfer.engine.spec.proposer import build_proposer
+from jaxinfer.engine.token_rules import TokenRules
 from jaxinfer.errors import RequestError
 from jaxinfer.loading.model import Model
 from jaxinfer.models import kv_cache
@@ -142,6 +148,12 @@ class LLMEngine:
                 f"has {self.block_manager.num_usable_blocks} (maximum context {self.max_context_len} tokens); lower "
                 f"max_tokens, raise num_kv_blocks, or spread the cache over more devices (context_parallel_size)"
             )
+        outside = [t for t in (*(params.allowed_token_ids or ()), *(params.logit_bias or ())) if t >= vocab]
+        if outside:
+            raise RequestError(f"{name}: allowed_token_ids / logit_bias name token ids outside the vocabulary "
+                               f"[0, {vocab}): {outside[:5]}")
+        if params.bad_words and self.tokenizer is None:
+            raise RequestError(f"{name}: bad_words need a tokenizer, and this model has none")
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise RequestError(f"{name}: structured_outputs need a tokenizer, and this model has none")
@@ -174,8 +186,8 @@ class LLMEngine:
         waits anyway (LLM.generate) uses to fail before submitting anything."""
         if params.structured_outputs is None:
             return
-        future = self.grammar_compiler.submit(params.structured_outputs)
         try:
+            future = self.grammar_compiler.submit(params.structured_outputs)
             future.result(timeout=self.config.structured_outputs_compile_timeout)
         except concurrent.futures.TimeoutError:
             raise RequestError(f"{name}: {self._timeout_message(params)}") from None
@@ -187,9 +199,14 @@ class LLMEngine:
                 f"structured_outputs_compile_timeout={self.config.structured_outputs_compile_timeout} s")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt=None,
-                    lora_request=None) -> None:
+                    lora_request=None, priority: int = 0) -> None:
         """lora_request: a LoRARequest (lora/request.py) naming the adapter
-        this request runs with, or None for the base model."""
+        this request runs with, or None for the base model. priority: with
+        scheduling_policy="priority", lower values are scheduled first (and
+        preempted last); any other policy takes only 0 (vLLM's rule)."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise RequestError(f"request {request_id}: priority {priority} needs scheduling_policy='priority' "
+                               f"(this engine runs {self.config.scheduling_policy!r})")
         prompt_token_ids = list(prompt_token_ids)
         if request_id in self.requests:
             raise RequestError(f"request {request_id}: id already in use")
@@ -198,6 +215,8 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         eos = frozenset() if params.ignore_eos or self.tokenizer is None else frozenset(self.tokenizer.eos_token_ids)
+        rules = (TokenRules(params, self.tokenizer, self.model.config.vocab_size, eos)
+                 if params.allowed_token_ids is not None or params.bad_words or params.min_tokens else None)
         sequences = []
         for index in range(params.n):
             seq = Sequence(
@@ -217,6 +236,8 @@ class LLMEngine:
                 eos_token_ids=eos,
                 leader=sequences[0] if sequences else None,
                 lora_int_id=0 if lora_request is None else lora_request.lora_int_id,
+                token_rules=rules,
+                priority=priority,
             )
             if params.logprobs is not None:
                 seq.output.cumulative_logprob = 0.0
@@ -227,7 +248,11 @@ class LLMEngine:
             for seq in sequences:
                 self.scheduler.add(seq)
         else:
-            future = self.grammar_compiler.submit(params.structured_outputs)
+            try:
+                future = self.grammar_compiler.submit(params.structured_outputs)
+            except GrammarError as e:  # the compile queue is full
+                del self.requests[request_id]
+                raise RequestError(f"request {request_id}: {e}") from None
             if jax.process_count() > 1:
                 # Lockstep hosts must admit it in the same step: wait here, so that
                 # the next step finds the compile done (or failed) on every host.
@@ -266,6 +291,21 @@ class LLMEngine:
         self._pending = still
         return failed
 
+    def _fail_step(self, batch, message: str) -> list[RequestOutput]:
+        """End every request with a sequence in a failed step: their state
+        (computed tokens, blocks, matchers) is no longer known to be right.
+        Their outputs carry the error, marked internal (a server answers 500)."""
+        outputs = []
+        for request_id in dict.fromkeys(s.request_id for s in batch.sequences):
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            state.error, state.internal_error = f"request {request_id}: {message}", True
+            output = self.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.requests.pop(request_id, None)
         if state is None:
@@ -298,9 +338,15 @@ class LLMEngine:
         for seq in batch.sequences:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
         tables = [self.block_manager.block_table(s.seq_id) for s in batch.sequences]
-        out = self.runner.run(batch, tables)
-        outputs = self.output_processor.process(batch, out, self.requests)
-        self.proposer.after_step(batch, out, start)
+        try:
+            out = self.runner.run(batch, tables)
+            outputs = self.output_processor.process(batch, out, self.requests)
+            self.proposer.after_step(batch, out, start)
+        except Exception as e:  # noqa: BLE001 - whatever broke, it broke this step's requests only
+            if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.runner.kv_cache)):
+                raise  # the forward consumed the donated pool and gave none back: no step can run again
+            log.exception("engine step failed; failing the %d request(s) it held", len(batch.sequences))
+            return failed + self._fail_step(batch, f"engine step failed: {type(e).__name__}: {e}")
         device = self.runner.device_time + self.proposer.device_time - device_before
         self.device_time += device
         self.host_time += time.perf_counter() - start - device
