@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxinfer.sampling_params import StructuredOutputsParams
+from jaxinfer.sampling_params import InvalidSamplingParameter, StructuredOutputsParams
 from jaxinfer.server.errors import APIError
 from jaxinfer.server.tool_parsers import FAMILIES, PARSERS, named_parser, parse_required
 
@@ -63,7 +63,10 @@ def plan(request, parser_name: str | None) -> ToolPlan:
     choice = request.effective_tool_choice
     if choice == "none" or not request.tools:
         return ToolPlan(None, None)
-    own = request.structured_spec()
+    try:
+        own = request.structured_spec()
+    except InvalidSamplingParameter as e:
+        raise APIError(400, str(e), "structured_outputs") from None
     if choice == "auto":
         if parser_name is None:
             raise APIError(400, "tool_choice 'auto' needs a tool-call parser, and this model's chat template has "
