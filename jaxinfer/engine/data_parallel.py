@@ -76,8 +76,9 @@ class DataParallelEngine:
         if request_id in self.replica_of:
             raise RequestError(f"request {request_id}: id already in use")
         index = self.choose_replica(prompt_token_ids, params)
+        extra = {"priority": priority} if priority else {}  # the default stays the replicas' own
         self.replicas[index].add_request(request_id, prompt_token_ids, params, prompt=prompt,
-                                         lora_request=lora_request, priority=priority)
+                                         lora_request=lora_request, **extra)
         self.replica_of[request_id] = index
         return index
 
