@@ -172,7 +172,8 @@ def _serve(args) -> int:
     from jaxinfer.loading.checkpoint import DEFAULT_MODEL_FILE
     from jaxinfer.server.launch import serve
 
-    options = dict(_engine_options(args), enable_prefix_caching=not args.no_prefix_caching)
+    options = dict(_engine_options(args), enable_prefix_caching=not args.no_prefix_caching,
+                   scheduling_policy="continuous" if args.scheduling_policy == "fcfs" else args.scheduling_policy)
     lora_modules = parse_lora_modules(args.lora_modules)  # before the model loads: a typo fails at once
     if args.num_kv_blocks is not None:
         options["num_kv_blocks"] = args.num_kv_blocks
@@ -182,10 +183,66 @@ def _serve(args) -> int:
 
         return LLM(args.model, dtype=args.dtype, **options, **_quantization_options(args), **_parallel_options(args))
 
+    chat_template = _read_chat_template(args.chat_template)
     name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.split(".")[0]
     serve(load, model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, lora_modules=lora_modules)
+          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, lora_modules=lora_modules,
+          chat_template=chat_template, tool_call_parser=args.tool_call_parser,
+          allowed_origins=_origins(args.allowed_origins), allowed_methods=_origins(args.allowed_methods) or ["*"],
+          allowed_headers=_origins(args.allowed_headers) or ["*"], allow_credentials=args.allow_credentials)
     return 0
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's path, or the template itself (vLLM's rule: a value
+    with a brace or newline in it is a template)."""
+    from pathlib import Path
+
+    if value is None:
+        return None
+    if any(c in value for c in "{}\n"):
+        return value
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--chat-template: cannot read {value}: {e}") from None
+
+
+def _origins(values) -> list[str] | None:
+    """--allowed-origins and friends: vLLM's JSON list ('["*"]'), or plain values."""
+    import json
+
+    if not values:
+        return None
+    out = []
+    for value in values:
+        if value.strip().startswith("["):
+            try:
+                out += [str(v) for v in json.loads(value)]
+            except ValueError as e:
+                raise ValueError(f"not a JSON list: {value!r} ({e})") from None
+        else:
+            out += [v for v in value.split(",") if v]
+    return out
+
+
+MULTI_HOST_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def refuse_multi_host_serve(args) -> None:
+    """`serve` runs on one host: lockstep hosts would each need the same
+    requests in the same order, which one HTTP front end does not give them
+    (the processes would wait on each other's collectives forever). Refused
+    before jax.distributed.initialize, which would wait for the other hosts."""
+    import os
+
+    given = [f"--{name.replace('_', '-')}" for name in ("coordinator_address", "num_processes", "process_id")
+             if getattr(args, name, None) is not None]
+    given += [v for v in MULTI_HOST_VARIABLES if os.environ.get(v)]
+    if given:
+        raise ValueError(f"jaxinfer serve runs on one host; multi-host serving is not supported yet (got "
+                         f"{', '.join(given)}). Run one server per host (--data-parallel-size and "
+                         "--tensor-parallel-size split a host's devices), or generate/bench for multi-host runs")
 
 
 def _bench_serve(args) -> int:
@@ -292,6 +349,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="PEFT LoRA adapter directories, each served as the model NAME (vLLM's flag)")
     srv.add_argument("--num-kv-blocks", type=int, default=None)
     srv.add_argument("--no-prefix-caching", action="store_true")
+    srv.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                     help="fcfs: continuous batching in arrival order; priority: requests' `priority` "
+                          "(lower first), then arrival (vLLM's)")
+    srv.add_argument("--chat-template", default=None,
+                     help="a Jinja chat template (a file, or the template itself) replacing the model's own")
+    srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                     help="how tool calls are read from the output for tool_choice 'auto' (default: detected "
+                          "from the chat template)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="accepted for vLLM's command lines: tool_choice 'auto' is on whenever a parser is known")
+    srv.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                     help="CORS: origins browsers may call from ('*', or vLLM's JSON list); default no CORS")
+    srv.add_argument("--allowed-methods", nargs="+", default=None, help="CORS methods (default '*')")
+    srv.add_argument("--allowed-headers", nargs="+", default=None, help="CORS headers (default '*')")
+    srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -323,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "serve":
+            refuse_multi_host_serve(args)
         from jaxinfer.parallel.distributed import initialize
 
         # Before anything touches JAX's devices (flags, else JAX_COORDINATOR_ADDRESS etc.).

@@ -7,16 +7,12 @@ import itertools
 from tqdm.auto import tqdm
 
 from jaxinfer.backends import choose_backend
-from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.config import EngineConfig, check_pool_holds_context
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.errors import RequestError
 from jaxinfer.loading.model import load
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
-
-# Cap for the default max_model_len: a model's advertised context (often 32k+)
-# would size caches far beyond what a laptop run needs.
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 class LLM:
@@ -76,14 +72,19 @@ class LLM:
         self.model = load(model, dtype=dtype, progress=progress, quantization=quantization, mesh=meshes[0],
                           backend=backend)
         self.tokenizer = self.model.tokenizer
-        if engine_options.get("max_model_len") is None:
-            engine_options["max_model_len"] = min(self.model.config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        # max_model_len defaults to the model's whole context (vLLM's rule), which
+        # the KV pool must then hold for one request (check_pool_holds_context).
+        default_len = engine_options.get("max_model_len") is None
+        if default_len:
+            engine_options["max_model_len"] = self.model.config.max_position_embeddings
         try:
             config = EngineConfig(**engine_options)
         except TypeError:
             known = set(EngineConfig.__dataclass_fields__)
             unknown = sorted(set(engine_options) - known)
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}") from None
+        if default_len:
+            check_pool_holds_context(self.model, config)
         self.max_model_len = config.max_model_len
         if len(meshes) == 1:
             self.engine = LLMEngine(self.model, config, progress=progress)

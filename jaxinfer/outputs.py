@@ -73,4 +73,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Why the request failed after it was accepted, or None; internal_error:
+    # the failure was the engine's (a step that raised), not the request's.
     error: str | None = None
+    internal_error: bool = False

@@ -10,6 +10,16 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20
+# Stop strings are checked after every token (only where a new token can
+# complete one, engine/output_processor.py), so their number and length are
+# bounded: 10**5 of them would stall every request sharing the engine.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+# logit_bias entries and bad_words: host work per step grows with them (bad_words) or
+# they fill a [vocab] row once per step (logit_bias); bounded for the same reason.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 
 
 class InvalidSamplingParameter(ValueError):
@@ -126,6 +136,14 @@ class SamplingParams:
     markers) in the detokenized text. `structured_outputs` constrains the
     output to a JSON schema, regex, choice or grammar (StructuredOutputsParams,
     or a dict of its fields).
+
+    vLLM's token rules: `min_tokens` (EOS and stop_token_ids cannot be
+    sampled, and stop strings are not checked, before that many tokens),
+    `allowed_token_ids` (only these may be sampled), `bad_words` (the last
+    token of each word's tokenization is banned wherever the output already
+    ends with the tokens before it), `logit_bias` ({token id: bias in [-100,
+    100]} added to the logits before penalties, as OpenAI's), and
+    `include_stop_str_in_output` (a matched stop string stays in the text).
     """
 
     n: int = 1
@@ -144,6 +162,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -189,11 +212,30 @@ class SamplingParams:
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
 
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidSamplingParameter(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidSamplingParameter(f"{name} must be a bool, got {getattr(self, name)!r}")
 
-        if not isinstance(self.skip_special_tokens, bool):
-            raise InvalidSamplingParameter(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidSamplingParameter(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                                           f"got {self.min_tokens}")
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise InvalidSamplingParameter(
+                    f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = [_int("allowed_token_ids", i) for i in self.allowed_token_ids]
+            if min(self.allowed_token_ids) < 0:
+                raise InvalidSamplingParameter("allowed_token_ids must be non-negative token ids")
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if (not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words)):
+                raise InvalidSamplingParameter(f"bad_words must be a list of non-empty strings, got {words!r}")
+            if len(words) > MAX_BAD_WORDS or max(map(len, words), default=0) > MAX_BAD_WORD_CHARS:
+                raise InvalidSamplingParameter(f"bad_words: at most {MAX_BAD_WORDS} words of at most "
+                                               f"{MAX_BAD_WORD_CHARS} characters")
+            self.bad_words = list(words)
 
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs)
@@ -222,7 +264,33 @@ class SamplingParams:
                 raise InvalidSamplingParameter(f"stop must contain only str, got {s!r}")
             if not s:
                 raise InvalidSamplingParameter("stop strings must be non-empty, got ''")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidSamplingParameter(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        if max(map(len, stop), default=0) > MAX_STOP_STRING_CHARS:
+            raise InvalidSamplingParameter(f"stop: a stop string may have at most {MAX_STOP_STRING_CHARS} "
+                                           f"characters, got {max(map(len, stop))}")
         return list(stop)
+
+    @staticmethod
+    def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+        if not bias:
+            return None
+        if not isinstance(bias, dict):
+            raise InvalidSamplingParameter(f"logit_bias must map token ids to numbers, got {bias!r}")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidSamplingParameter(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+        out = {}
+        for key, value in bias.items():
+            try:  # OpenAI's JSON keys are strings of token ids
+                token = int(key) if isinstance(key, str) else _int("logit_bias", key)
+            except ValueError:
+                raise InvalidSamplingParameter(f"logit_bias: keys must be token ids, got {key!r}") from None
+            value = _float("logit_bias", value)
+            if token < 0 or not -100 <= value <= 100:
+                raise InvalidSamplingParameter(
+                    f"logit_bias: token ids must be >= 0 and biases in [-100, 100], got {key!r}: {value}")
+            out[token] = value
+        return out
 
     @staticmethod
     def _normalise_stop_token_ids(ids: Any) -> list[int]:
@@ -240,8 +308,18 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        """Whether sampling needs this request's token history ([vocab] inputs per row)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether sampling needs [vocab] inputs per row: the token history of
+        repetition/presence/frequency penalties, or a logit_bias row (the
+        sampler's "full" variant, engine/programs.py)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.logit_bias is not None)
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """Whether some tokens are masked out on the host before sampling (the
+        structured-output bitmask path): a grammar, or vLLM's token rules."""
+        return (self.structured_outputs is not None or self.allowed_token_ids is not None
+                or self.bad_words is not None or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,7 @@ import json
 import logging
 import re
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import sentencepiece
@@ -41,6 +41,10 @@ _QWEN2_PRE = {"qwen2", "deepseek-r1-qwen"}
 # stops on these too): without this an instruct model can run past its answer.
 _END_OF_TURN_TEXTS = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
                       "<|endoftext|>", "<|end_of_text|>", "<EOT>"}
+
+
+# Texts longer than this are encoded through the backend's GIL-free path.
+_GIL_FREE_CHARS = 16384
 
 
 class TokenizerError(ValueError):
@@ -74,10 +78,15 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            chat_template: str | None = None, **kwargs) -> str:
+        """kwargs become template variables (e.g. `tools`, a list of OpenAI
+        tool definitions, as Hugging Face passes them); chat_template
+        replaces the model's own (a server's --chat-template)."""
+        source = chat_template or self.chat_template
+        if not source:
             raise TokenizerError("this model has no chat template; pass a raw prompt instead")
-        template = _compile_template(self.chat_template)
+        template = _compile_template(source)
         context = {
             "bos_token": self.id_to_piece(self.bos_token_id) if self.bos_token_id is not None else "",
             "eos_token": self.id_to_piece(self.eos_token_id) if self.eos_token_id is not None else "",
@@ -91,6 +100,15 @@ class Tokenizer:
             raise
         except Exception as e:  # a template bug should read as one, not as a jinja2 traceback
             raise TokenizerError(f"chat template failed to render: {type(e).__name__}: {e}") from e
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (its piece's
+        length: a byte-level piece has a character per byte, a sentencepiece
+        piece one per character), so a text of C characters has at least
+        C / max_token_chars tokens: what lets a server refuse an over-long
+        prompt before tokenizing it."""
+        return max((len(self.id_to_piece(i)) for i in range(self.vocab_size)), default=1) or 1
 
     def detokenizer(self, prompt_token_ids=(), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
@@ -139,6 +157,10 @@ class HFTokenizer(Tokenizer):
 
     def _encode_text(self, text):
         # BOS is ours to add (see `encode`), so the backend's post-processor stays out of it.
+        if len(text) > _GIL_FREE_CHARS:
+            # encode_batch releases the GIL while it works (encode holds it: 8 MB of text
+            # froze every other thread of a server for ~6 s), so other threads run meanwhile.
+            return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids, skip_special_tokens=True):

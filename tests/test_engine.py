@@ -270,3 +270,16 @@ print(json.dumps([faults_per_round(), keep_freed_host_memory(), faults_per_round
     assert all(f > pages // 2 for f in default)  # glibc's default: a fresh mapping every round
     assert kept is True
     assert all(f < pages // 16 for f in after[1:])  # the first round grows the heap once
+
+
+def test_priority_policy_runs_lower_values_first(tiny_dir):
+    """scheduling_policy="priority" (vLLM's): with room for one sequence,
+    requests run in order of priority, then arrival; other policies take only 0."""
+    llm = LLM(tiny_dir, progress=False, **dict(SMALL_ENGINE, max_num_seqs=1, scheduling_policy="priority"))
+    engine = llm.engine
+    for i, priority in enumerate([5, 0, -3, 0]):
+        engine.add_request(f"r{i}", [1, 2, 3], greedy(2), priority=priority)
+    order = []
+    while engine.has_unfinished():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["r2", "r1", "r3", "r0"]

@@ -221,7 +221,7 @@ BAD_COMPLETIONS = [
     ({"prompt": list(range(1, 301))}, "300 tokens"),
     ({"prompt": [1, 10**7]}, "vocabulary"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
-    ({"prompt": "x", "min_tokens": 2}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
     ({"prompt": "x" * 100_000}, "max_model_len=256"),  # tokenized off the event loop, then too long
     ({"prompt": {"text": "x"}}, "prompt"),
     ({"max_tokens": 3}, "prompt"),

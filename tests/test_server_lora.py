@@ -148,3 +148,36 @@ def test_cli_lora_flags():
     for bad, words in (["a"], "NAME=PATH"), (["=p"], "NAME=PATH"), (["a=p", "a=q"], "twice"):
         with pytest.raises(ValueError, match=words):
             parse_lora_modules(bad)
+
+
+def test_load_and_unload_adapters_at_run_time(server, setup):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: a loaded
+    adapter serves under its name as the same adapter given at start does,
+    is listed, and once unloaded is a 404; a bad path is a 400 naming it."""
+    url, client = server
+    _, modules, references = setup
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "sql-again", "lora_path": modules["sql"].lora_path})
+    assert r.status_code == 200 and "sql-again" in r.text
+    assert "sql-again" in [m.id for m in client.models.list().data]
+    out = client.completions.create(model="sql-again", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert out.choices[0].text == references["sql"] and out.model == "sql-again"
+    again = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "sql-again", "lora_path": "/x"})
+    assert again.status_code == 400 and "already served" in again.json()["error"]["message"]
+    bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "nothing", "lora_path": "/no/such/dir"})
+    assert bad.status_code == 400 and "/no/such/dir" in bad.json()["error"]["message"]
+    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "sql-again"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="sql-again", prompt=PROMPT, max_tokens=2)
+    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "sql-again"}).status_code == 404
+    assert client.completions.create(model="sql", prompt=PROMPT, max_tokens=6,
+                                     temperature=0).choices[0].text == references["sql"]
+
+
+def test_adapter_routes_want_the_api_key(setup):
+    from fastapi.testclient import TestClient
+
+    llm, _, _ = setup
+    client = TestClient(build_app(llm, model_name=MODEL, api_key="secret"))  # no lifespan: the engine stays free
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        r = client.post(path, json={"lora_name": "x", "lora_path": "/x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

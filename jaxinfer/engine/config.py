@@ -151,3 +151,25 @@ def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int
 
         num_blocks = int(np.min(multihost_utils.process_allgather(np.int64(num_blocks))))
     return num_blocks
+
+
+def check_pool_holds_context(model: Model, config: EngineConfig) -> None:
+    """A max_model_len taken from the model (not given) must fit the KV pool
+    once: raise ValueError naming both numbers and the ways out, at start-up,
+    rather than serve a context no request can reach."""
+    num_blocks = choose_num_blocks(model, config)
+    usable = num_blocks - 1  # block 0 is the null block
+    if usable * config.block_size >= config.max_model_len:
+        return
+    per_block = kv_block_bytes(model, config.block_size, config.kv_cache_dtype)
+    budget = ("num_kv_blocks" if config.num_kv_blocks is not None else
+              f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} of free device memory"
+              if jax.default_backend() == "gpu" else f"the CPU default of {CPU_KV_CACHE_BYTES // 2**20} MiB")
+    need = -(-config.max_model_len // config.block_size) + 1
+    raise ValueError(
+        f"the model's context is {config.max_model_len} tokens (max_position_embeddings), but the KV pool "
+        f"({budget}) holds {usable} blocks of {config.block_size} tokens = {usable * config.block_size} tokens "
+        f"({per_block / 2**20:.2f} MiB a block); one request of the full context needs {need} blocks "
+        f"({need * per_block / 2**30:.2f} GiB). Pass max_model_len <= {usable * config.block_size} "
+        f"(--max-model-len), or give the pool more blocks (num_kv_blocks, kv_cache_memory_fraction, "
+        f"kv_cache_dtype='int8')")

@@ -63,16 +63,22 @@ class DataParallelEngine:
     def check_structured_outputs(self, name, params) -> None:
         self.replicas[0].check_structured_outputs(name, params)  # each replica compiles (and caches) its own
 
+    @property
+    def grammar_compiler(self):
+        return self.replicas[0].grammar_compiler  # what check_structured_outputs warms
+
     def validate_lora(self, name, lora_request) -> None:
         for replica in self.replicas:  # each replica keeps its own host copy and slots
             replica.validate_lora(name, lora_request)
 
-    def add_request(self, request_id: str, prompt_token_ids, params, prompt=None, lora_request=None) -> int:
+    def add_request(self, request_id: str, prompt_token_ids, params, prompt=None, lora_request=None,
+                    priority: int = 0) -> int:
         if request_id in self.replica_of:
             raise RequestError(f"request {request_id}: id already in use")
         index = self.choose_replica(prompt_token_ids, params)
+        extra = {"priority": priority} if priority else {}  # the default stays the replicas' own
         self.replicas[index].add_request(request_id, prompt_token_ids, params, prompt=prompt,
-                                         lora_request=lora_request)
+                                         lora_request=lora_request, **extra)
         self.replica_of[request_id] = index
         return index
 

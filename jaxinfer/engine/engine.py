@@ -18,12 +18,18 @@ and only then fetches and processes step N's outputs. A sequence that step
 N finished (EOS, a stop string) was scheduled into step N + 1 in vain: its
 row there is dropped. Steps whose next step needs their tokens on the host
 first run as before, one at a time: structured outputs (the next mask),
-penalties (the next counts) and speculative decoding (the next drafts).
+token rules (engine/token_rules.py: the next bans), penalties (the next
+counts) and speculative decoding (the next drafts).
 
 Bad requests are rejected at add_request with a RequestError naming the
 problem; the engine keeps serving the others. A request's LoRA adapter is
 read and checked there too (on first sight; lora/adapter.py), so a bad
 adapter is that request's error.
+
+A step that raises (a bug, a device error) fails the requests it held,
+with RequestOutput.error naming the exception (internal_error set), and the
+engine goes on with the others; only a step that lost the KV pool (donated
+to a forward that never returned it) is fatal.
 
 Structured outputs: a request with `structured_outputs` waits here, outside
 the scheduler, while its grammar compiles on the compiler's worker thread
@@ -54,6 +60,7 @@ from jaxinfer.engine.runner import Launched, ModelRunner
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 from jaxinfer.engine.spec.proposer import build_proposer
+from jaxinfer.engine.token_rules import TokenRules
 from jaxinfer.errors import RequestError
 from jaxinfer.loading.model import Model
 from jaxinfer.models import kv_cache
@@ -156,6 +163,12 @@ class LLMEngine:
                 f"has {self.block_manager.num_usable_blocks} (maximum context {self.max_context_len} tokens); lower "
                 f"max_tokens, raise num_kv_blocks, or spread the cache over more devices (context_parallel_size)"
             )
+        outside = [t for t in (*(params.allowed_token_ids or ()), *(params.logit_bias or ())) if t >= vocab]
+        if outside:
+            raise RequestError(f"{name}: allowed_token_ids / logit_bias name token ids outside the vocabulary "
+                               f"[0, {vocab}): {outside[:5]}")
+        if params.bad_words and self.tokenizer is None:
+            raise RequestError(f"{name}: bad_words need a tokenizer, and this model has none")
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise RequestError(f"{name}: structured_outputs need a tokenizer, and this model has none")
@@ -188,8 +201,8 @@ class LLMEngine:
         waits anyway (LLM.generate) uses to fail before submitting anything."""
         if params.structured_outputs is None:
             return
-        future = self.grammar_compiler.submit(params.structured_outputs)
         try:
+            future = self.grammar_compiler.submit(params.structured_outputs)
             future.result(timeout=self.config.structured_outputs_compile_timeout)
         except concurrent.futures.TimeoutError:
             raise RequestError(f"{name}: {self._timeout_message(params)}") from None
@@ -201,9 +214,14 @@ class LLMEngine:
                 f"structured_outputs_compile_timeout={self.config.structured_outputs_compile_timeout} s")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt=None,
-                    lora_request=None) -> None:
+                    lora_request=None, priority: int = 0) -> None:
         """lora_request: a LoRARequest (lora/request.py) naming the adapter
-        this request runs with, or None for the base model."""
+        this request runs with, or None for the base model. priority: with
+        scheduling_policy="priority", lower values are scheduled first (and
+        preempted last); any other policy takes only 0 (vLLM's rule)."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise RequestError(f"request {request_id}: priority {priority} needs scheduling_policy='priority' "
+                               f"(this engine runs {self.config.scheduling_policy!r})")
         prompt_token_ids = list(prompt_token_ids)
         if request_id in self.requests:
             raise RequestError(f"request {request_id}: id already in use")
@@ -212,6 +230,8 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         eos = frozenset() if params.ignore_eos or self.tokenizer is None else frozenset(self.tokenizer.eos_token_ids)
+        rules = (TokenRules(params, self.tokenizer, self.model.config.vocab_size, eos)
+                 if params.allowed_token_ids is not None or params.bad_words or params.min_tokens else None)
         sequences = []
         for index in range(params.n):
             seq = Sequence(
@@ -231,6 +251,8 @@ class LLMEngine:
                 eos_token_ids=eos,
                 leader=sequences[0] if sequences else None,
                 lora_int_id=0 if lora_request is None else lora_request.lora_int_id,
+                token_rules=rules,
+                priority=priority,
             )
             if params.logprobs is not None:
                 seq.output.cumulative_logprob = 0.0
@@ -241,7 +263,11 @@ class LLMEngine:
             for seq in sequences:
                 self.scheduler.add(seq)
         else:
-            future = self.grammar_compiler.submit(params.structured_outputs)
+            try:
+                future = self.grammar_compiler.submit(params.structured_outputs)
+            except GrammarError as e:  # the compile queue is full
+                del self.requests[request_id]
+                raise RequestError(f"request {request_id}: {e}") from None
             if jax.process_count() > 1:
                 # Lockstep hosts must admit it in the same step: wait here, so that
                 # the next step finds the compile done (or failed) on every host.
@@ -280,6 +306,21 @@ class LLMEngine:
         self._pending = still
         return failed
 
+    def _fail_step(self, batch, message: str) -> list[RequestOutput]:
+        """End every request with a sequence in a failed step: their state
+        (computed tokens, blocks, matchers) is no longer known to be right.
+        Their outputs carry the error, marked internal (a server answers 500)."""
+        outputs = []
+        for request_id in dict.fromkeys(s.request_id for s in batch.sequences):
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            state.error, state.internal_error = f"request {request_id}: {message}", True
+            output = self.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.requests.pop(request_id, None)
         if state is None:
@@ -309,23 +350,24 @@ class LLMEngine:
                 concurrent.futures.wait([f for _, f, _ in self._pending], timeout=0.01,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
             return failed
-        launched = None
+        outputs, launched = [], None
         if batch.sequences:
             now = time.perf_counter()
             for seq in batch.sequences:
                 seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
             tables = [self.block_manager.block_table(s.seq_id) for s in batch.sequences]
-            launched = (batch, self.runner.launch(batch, tables))
-        outputs = []
+            launched, outputs = self._guarded(batch, lambda: (batch, self.runner.launch(batch, tables)))
         if self._in_flight is not None:  # the previous step, behind which this one is queued
-            outputs = self._complete(*self._in_flight, start)
-            self._in_flight = None
+            in_flight, self._in_flight = self._in_flight, None
+            processed, failures = self._guarded(in_flight[0], lambda: self._complete(*in_flight, start))
+            outputs += (processed or []) + failures
         if launched is not None:
             if self._overlaps(batch):
                 self.output_processor.expect(batch, launched[1].num_emitted)
                 self._in_flight = launched
             else:
-                outputs += self._complete(*launched, start)
+                processed, failures = self._guarded(batch, lambda: self._complete(*launched, start))
+                outputs += (processed or []) + failures
         device = self.runner.device_time + self.proposer.device_time - device_before
         self.device_time += device
         self.host_time += time.perf_counter() - start - device
@@ -335,7 +377,21 @@ class LLMEngine:
         """Whether the next step may be scheduled before this one's outputs
         are processed (async scheduling; the module docstring says when not)."""
         return self.config.async_scheduling and not batch.verifies_drafts and not any(
-            s.structured is not None or s.params.uses_penalties for s in batch.sequences)
+            s.structured is not None or s.token_rules is not None or s.params.uses_penalties
+            for s in batch.sequences)
+
+    def _guarded(self, batch: ScheduledBatch, step_part) -> tuple:
+        """(step_part(), []) for a launch or a completion of `batch`; when it
+        raises, (None, the outputs of the batch's requests, failed): whatever
+        broke, it broke this step's requests only, unless the forward consumed
+        the donated KV pool and gave none back (then no step can run again)."""
+        try:
+            return step_part(), []
+        except Exception as e:  # noqa: BLE001
+            if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.runner.kv_cache)):
+                raise
+            log.exception("engine step failed; failing the %d request(s) it held", len(batch.sequences))
+            return None, self._fail_step(batch, f"engine step failed: {type(e).__name__}: {e}")
 
     def _complete(self, batch: ScheduledBatch, launched: Launched, start: float) -> list[RequestOutput]:
         out = self.runner.complete(launched)

@@ -123,13 +123,18 @@ class OutputProcessor:
                 completion.finish_reason = "stop"
             elif seq.structured.is_finished:
                 completion.finish_reason = "stop"
-        if token in (params.stop_token_ids or ()) or token in seq.eos_token_ids:
+        stop_token = token in (params.stop_token_ids or ()) or token in seq.eos_token_ids
+        if stop_token:
             completion.finish_reason = "stop"
             completion.stop_reason = token if token in (params.stop_token_ids or ()) else None
+        # Stop strings count from min_tokens on (vLLM's rule; EOS and stop ids are masked until then).
+        check_stops = len(completion.token_ids) >= params.min_tokens
         if seq.detokenizer is not None:
-            completion.text += seq.detokenizer.add([token])
-            if completion.finish_reason is None:
-                _cut_at_stop_string(completion, params.stop)
+            before = len(completion.text)
+            if not stop_token or params.include_stop_str_in_output:  # vLLM: the stop token's text is not output
+                completion.text += seq.detokenizer.add([token])
+            if completion.finish_reason is None and check_stops:
+                _cut_at_stop_string(completion, params, before)
         if completion.finish_reason is None and (
             len(completion.token_ids) >= params.max_tokens
             or len(seq.prompt_token_ids) + len(completion.token_ids) >= self.max_model_len
@@ -138,17 +143,28 @@ class OutputProcessor:
         if completion.finish_reason is not None and seq.detokenizer is not None and not isinstance(
             completion.stop_reason, str
         ):
+            before = len(completion.text)
             completion.text += seq.detokenizer.flush()  # bytes held back for a character that never completed
-            _cut_at_stop_string(completion, params.stop)
+            if check_stops:
+                _cut_at_stop_string(completion, params, before)
 
 
-def _cut_at_stop_string(completion: CompletionOutput, stop) -> bool:
+def _cut_at_stop_string(completion: CompletionOutput, params, checked: int) -> bool:
     """End the completion at the first stop string in its text; the stop
-    string itself is not returned (vLLM's default)."""
-    hits = [(completion.text.find(s), s) for s in stop or () if s in completion.text]
+    string itself is not returned unless include_stop_str_in_output (vLLM's
+    default and option). The text before `checked` held no stop string, so
+    only a string ending after it can be new: the search starts the longest
+    stop string minus one character earlier. Each token then costs the stop
+    strings times the few characters it added, not times the whole output."""
+    stop = params.stop
+    if not stop:
+        return False
+    start = max(0, checked - max(map(len, stop)) + 1)
+    text = completion.text
+    hits = [(position, s) for s in stop if (position := text.find(s, start)) >= 0]
     if not hits:
         return False
     position, string = min(hits)
-    completion.text = completion.text[:position]
+    completion.text = text[:position + len(string)] if params.include_stop_str_in_output else text[:position]
     completion.finish_reason, completion.stop_reason = "stop", string
     return True

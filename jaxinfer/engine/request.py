@@ -18,6 +18,7 @@ class RequestState:
     metrics: RequestMetrics
     # Why the request failed after it was accepted (a grammar that did not compile), or None.
     error: str | None = None
+    internal_error: bool = False  # the error is a failed step's (not the request's fault)
 
     @property
     def is_finished(self) -> bool:
@@ -34,4 +35,5 @@ class RequestState:
             num_cached_tokens=cached,
             metrics=self.metrics,
             error=self.error,
+            internal_error=self.internal_error,
         )

@@ -35,7 +35,8 @@ from jaxinfer.engine.programs import forward_step, sample_step, verify_step
 from jaxinfer.engine.sampler import SamplingMetadata, make_penalty_inputs
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence
-from jaxinfer.structured.matcher import bitmask_width, fill_masks
+from jaxinfer.engine.token_rules import constrained_this_step, fill_step_masks
+from jaxinfer.structured.matcher import bitmask_width
 from jaxinfer.utils import bucket_size, powers_of_two
 
 log = logging.getLogger(__name__)
@@ -276,7 +277,7 @@ class ModelRunner:
             return self._forward_call(inputs)
         if kind == "sample":
             full = program[2]
-            penalties = make_penalty_inputs([], [], vocab, num_seqs) if full else None
+            penalties = make_penalty_inputs([], [], vocab, num_seqs, logit_biases=[]) if full else None
             logits = self._put(np.zeros((num_seqs, vocab), np.float32))
             return self._sample_call(logits, sampling, penalties, full, self._no_mask(num_seqs))
         k = program[2]
@@ -349,15 +350,16 @@ class ModelRunner:
 
     def _token_masks(self, batch: ScheduledBatch, num_seqs: int) -> tuple:
         """(bitmask, constrained) for the sample program: filled for the
-        structured sequences that emit a token this step, else the resident zeros."""
-        states = [(i, s.structured) for i, s in enumerate(batch.sequences) if s.structured is not None and
+        constrained sequences (a grammar or token rules, engine/token_rules.py)
+        that emit a token this step, else the resident zeros."""
+        states = [(i, s) for i, s in enumerate(batch.sequences) if constrained_this_step(s) and
                   batch.num_computed_tokens[i] + batch.num_new_tokens[i] - batch.num_drafts[i] == s.num_tokens]
         if not states:
             return self._no_mask(num_seqs)
         start = time.perf_counter()
         bitmask = np.zeros((num_seqs, bitmask_width(self.config.vocab_size)), np.int32)
         constrained = np.zeros(num_seqs, bool)
-        fill_masks(states, bitmask)
+        fill_step_masks(states, bitmask)
         constrained[[i for i, _ in states]] = True
         self.mask_time += time.perf_counter() - start
         self.num_masks += len(states)
@@ -457,7 +459,7 @@ class ModelRunner:
 
     def _penalty_inputs(self, seqs: list[Sequence], num_seqs: int):
         return make_penalty_inputs([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                                   self.config.vocab_size, num_seqs)
+                                   self.config.vocab_size, num_seqs, [s.params.logit_bias for s in seqs])
 
 
 def _shape_of(x):

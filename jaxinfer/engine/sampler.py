@@ -109,9 +109,12 @@ def make_penalty_inputs(
     output_ids_list: Sequence[Sequence[int] | None],
     vocab_size: int,
     batch_size: int,
-) -> tuple[np.ndarray, np.ndarray]:
+    logit_biases: Sequence[dict[int, float] | None] | None = None,
+) -> tuple[np.ndarray, ...]:
     """(prompt_mask bool [B, V], output_counts i32 [B, V]) as numpy; missing
-    rows (shorter lists, None entries, padding) are all False / zero."""
+    rows (shorter lists, None entries, padding) are all False / zero. With
+    logit_biases (one {token id: bias} or None per row), a third array: the
+    bias f32 [B, V] (zero where none is given)."""
     prompt_mask = np.zeros((batch_size, vocab_size), np.bool_)
     output_counts = np.zeros((batch_size, vocab_size), np.int32)
     for i, ids in enumerate(prompt_ids_list):
@@ -120,7 +123,14 @@ def make_penalty_inputs(
     for i, ids in enumerate(output_ids_list):
         if ids is not None and len(ids):
             output_counts[i] = np.bincount(np.asarray(ids, np.int64), minlength=vocab_size)
-    return prompt_mask, output_counts
+    if logit_biases is None:
+        return prompt_mask, output_counts
+    bias = np.zeros((batch_size, vocab_size), np.float32)
+    for i, entries in enumerate(logit_biases):
+        for token, value in (entries or {}).items():
+            if token < vocab_size:
+                bias[i, token] = value
+    return prompt_mask, output_counts, bias
 
 
 def apply_penalties(logits: jax.Array, prompt_mask: jax.Array, output_counts: jax.Array,
@@ -300,6 +310,7 @@ def sample(
     num_logprobs: int = 0,
     bitmask: jax.Array | None = None,
     constrained: jax.Array | None = None,
+    logit_bias: jax.Array | None = None,
     conditional: bool = True,
 ) -> SamplerOutput:
     """One token per row. num_logprobs (static) > 0 also returns the sampled
@@ -307,11 +318,14 @@ def sample(
     penalised logits; 0 leaves those fields None. Penalties are applied when
     either mask is given (a missing one counts as empty). A token bitmask
     (structured outputs) is applied first, before penalties, temperature and
-    the filters, so logprobs are those of the masked distribution.
+    the filters, so logprobs are those of the masked distribution; a
+    logit_bias f32 [B, V] is added next (a masked token stays -inf).
     conditional: how work only some rows need is paid for (module docstring)."""
     logits = logits.astype(jnp.float32)
     if bitmask is not None:
         logits = apply_token_bitmask(logits, bitmask, constrained, conditional)
+    if logit_bias is not None:  # OpenAI's logit_bias: added to the raw logits, before penalties
+        logits = logits + logit_bias
     if prompt_mask is not None or output_counts is not None:
         if prompt_mask is None:
             prompt_mask = jnp.zeros(logits.shape, jnp.bool_)

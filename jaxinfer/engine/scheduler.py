@@ -27,6 +27,10 @@ finishes; when every slot is pinned by other adapters, the queue waits.
 `policy="static"` is a benchmark baseline: admit a batch only when nothing is
 running, then run it until every member finishes.
 
+`policy="priority"` (vLLM's): continuous batching where the waiting queue is
+admitted in order of (priority, arrival), lower first, and preemption takes
+the running sequence with the largest (priority, arrival) first.
+
 Async scheduling (engine.py): a step is scheduled while the previous one is
 still on the device, against its sequences' pending tokens (sequence.py).
 A running sequence whose pending token already ends it by length
@@ -69,8 +73,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, policy="continuous",
                  lora_slots=None, max_model_len: int | None = None):
-        if policy not in ("continuous", "static"):
-            raise ValueError(f"scheduling_policy must be 'continuous' or 'static', got {policy!r}")
+        if policy not in ("continuous", "static", "priority"):
+            raise ValueError(f"scheduling_policy must be 'continuous', 'priority' or 'static', got {policy!r}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -113,8 +117,10 @@ class Scheduler:
         scheduled: list[Sequence] = []
         counts: list[int] = []
         preempted = False
-        # Oldest first; victims are taken from the end (newest).
-        self.running.sort(key=lambda s: s.arrival_order)
+        # Oldest first (by priority first under "priority"); victims are taken from the end.
+        self.running.sort(key=self._order)
+        if self.policy == "priority" and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self._order))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -135,7 +141,7 @@ class Scheduler:
                 i += 1
                 continue
             break  # seq itself was preempted: nothing after it remains running
-        admit = not preempted and (self.policy == "continuous" or not self.running)
+        admit = not preempted and (self.policy != "static" or not self.running)
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self._waits_for_leader(seq) or seq.num_pending:
@@ -166,6 +172,9 @@ class Scheduler:
         num_drafts = self._schedule_drafts(scheduled, counts, budget)
         return ScheduledBatch(scheduled, [n + d for n, d in zip(counts, num_drafts)],
                               [s.num_computed_tokens for s in scheduled], num_drafts)
+
+    def _order(self, seq: Sequence) -> tuple[int, int]:
+        return (seq.priority if self.policy == "priority" else 0, seq.arrival_order)
 
     def _schedule_drafts(self, scheduled: list[Sequence], counts: list[int], budget: int) -> list[int]:
         """How many of its drafts each scheduled sequence verifies this step

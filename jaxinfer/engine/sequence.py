@@ -62,6 +62,11 @@ class Sequence:
     # Structured outputs: where the output stands in its grammar
     # (structured/matcher.py), or None. Kept across preemption.
     structured: object = None
+    # vLLM's token rules (allowed_token_ids, bad_words, min_tokens) as bitmask
+    # bans (engine/token_rules.py), or None.
+    token_rules: object = None
+    # Scheduling priority (the "priority" policy: lower runs first, vLLM's rule).
+    priority: int = 0
     # LoRA: the request's adapter (0: none) and, while the sequence is
     # admitted, the device slot it pins (lora/slots.py; 0 when none).
     lora_int_id: int = 0

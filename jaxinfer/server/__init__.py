@@ -3,5 +3,9 @@
 app.py (routes), engine_thread.py (the one thread that steps the engine),
 protocol.py (request bodies -> SamplingParams), responses.py (OpenAI response
 and chunk shapes), errors.py (OpenAI's error body), metrics.py (Prometheus),
-bench_serve.py (`jaxinfer bench serve`, a client for a running server).
+tool_calls.py and tool_parsers.py (tools and tool_choice; reading calls back
+per template family), host_work.py (tokenizing and templates off the event
+loop), prompt_logprobs.py (the prompt-scoring pass), generation_defaults.py
+(the model's sampling defaults), bench_serve.py (`jaxinfer bench serve`, a
+client for a running server).
 """

@@ -14,9 +14,16 @@ which the next step mutates. Text is held back by the longest stop string
 minus one character until it cannot become part of a stop string, so a
 stream never sends text that a stop string later cuts away.
 
-A request that fails validation fails alone (its queue gets the error); an
-exception from a step is fatal: every open request gets it, /health turns
-503 and new requests are refused.
+A request that fails validation fails alone (its queue gets the error). A
+step that raises fails the requests it held (the engine says which, with
+RequestOutput.internal_error; they get EngineStepFailed, a 500) and the
+others go on. Only an exception that escapes the engine's step (it lost its
+KV pool) is fatal: every open request gets it, /health turns 503 and new
+requests are refused.
+
+Admission (--max-queue) counts sequences (a request's prompts times its n)
+and is reserved by the handler before any tokenizing or grammar compiling
+(`reserve`), so an over-full server refuses at once and cheaply.
 """
 
 from __future__ import annotations
@@ -42,6 +49,28 @@ class EngineDead(RuntimeError):
 
 class QueueFull(RuntimeError):
     """More requests are in flight than the server admits (--max-queue)."""
+
+
+class EngineStepFailed(RuntimeError):
+    """The engine step that held this request raised (the server's fault, not the request's)."""
+
+
+class Reservation:
+    """Room for `count` sequences under --max-queue, held from admission until
+    the request ends. release() is idempotent; a reservation dropped without
+    it (a stream whose body never started) releases itself when collected."""
+
+    def __init__(self, engine: "EngineThread", count: int):
+        self.engine, self.count = engine, count
+        engine.num_in_flight += count
+
+    def release(self) -> None:
+        if self.count:
+            self.engine.num_in_flight -= self.count
+            self.count = 0
+
+    def __del__(self):
+        self.release()
 
 
 @dataclass
@@ -72,6 +101,7 @@ class EngineRequest:
     params: SamplingParams
     prompt: str | None = None
     lora_request: object = None  # a LoRARequest (the adapter the request's `model` named), or None
+    priority: int = 0  # under the "priority" scheduling policy, lower runs first
 
 
 @dataclass
@@ -98,7 +128,7 @@ class EngineThread:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
-        self.num_in_flight = 0  # engine requests submitted and not yet finished; event loop only
+        self.num_in_flight = 0  # sequences admitted and not yet finished (Reservation); event loop only
         self.fatal_error: str | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
@@ -118,15 +148,43 @@ class EngineThread:
         return f"{prefix}-{next(self._ids)}"
 
     # -- the event loop's side ---------------------------------------------
-    async def generate(self, requests: list[EngineRequest]):
+    def reserve(self, num_sequences: int) -> Reservation:
+        """Admit `num_sequences` more sequences or raise QueueFull (or
+        EngineDead): the first thing a handler does, before any work."""
+        if self.fatal_error is not None or self._stopping:
+            raise EngineDead(self.fatal_error or "the server is shutting down")
+        if self.max_queue is not None and self.num_in_flight + num_sequences > self.max_queue:
+            raise QueueFull(f"{self.num_in_flight} sequences in flight and this request has {num_sequences}; "
+                            f"the server admits {self.max_queue}")
+        return Reservation(self, num_sequences)
+
+    async def call(self, fn):
+        """Run fn(engine) on the engine thread between steps (the engine is
+        not safe to touch from two threads) and return its result."""
+        if self.fatal_error is not None or self._stopping:
+            raise EngineDead(self.fatal_error or "the server is shutting down")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def resolve(ok, value):
+            if not future.done():
+                (future.set_result if ok else future.set_exception)(value)
+
+        self._commands.put(("call", fn, loop, resolve))
+        return await future
+
+    async def generate(self, requests: list[EngineRequest], reservation: Reservation | None = None):
         """Submit requests (the prompts of one HTTP request) and yield
         (index into requests, RequestDelta) as they progress, until all finish.
         Leaving early (an error, a client disconnect cancelling the task)
-        aborts those still running, which frees their KV blocks at once."""
+        aborts those still running, which frees their KV blocks at once.
+        reservation: the admission the handler took (released here at the
+        end); None reserves the requests' sequences now."""
+        if reservation is None:
+            reservation = self.reserve(sum(r.params.n for r in requests))
         if self.fatal_error is not None or self._stopping:
+            reservation.release()
             raise EngineDead(self.fatal_error or "the server is shutting down")
-        if self.max_queue is not None and self.num_in_flight + len(requests) > self.max_queue:
-            raise QueueFull(f"{self.num_in_flight} requests in flight; the server admits {self.max_queue}")
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
 
@@ -136,7 +194,6 @@ class EngineThread:
 
         arrival = time.perf_counter()
         open_ids = {r.request_id for r in requests}
-        self.num_in_flight += len(requests)
         try:
             for tag, request in enumerate(requests):
                 self._commands.put(("add", request, tag, loop, post, arrival))
@@ -152,7 +209,7 @@ class EngineThread:
                     open_ids.discard(item.request_id)
                 yield tag, item
         finally:
-            self.num_in_flight -= len(requests)
+            reservation.release()
             for request_id in open_ids:
                 self._commands.put(("abort", request_id))
 
@@ -208,15 +265,27 @@ class EngineThread:
                 return
 
     def _apply(self, command, outgoing) -> None:
+        if command[0] == "call":
+            _, fn, loop, resolve = command
+            try:
+                result = (True, fn(self.engine))
+            except Exception as e:  # the caller's to answer
+                result = (False, e)
+            try:
+                loop.call_soon_threadsafe(resolve, *result)
+            except RuntimeError:
+                pass
+            return
         if command[0] == "add":
             _, request, tag, loop, post, arrival = command
             tracked = _Tracked(request, (loop, post), tag, arrival,
                                hold=max((len(s) for s in request.params.stop), default=1) - 1,
                                sent_text=[0] * request.params.n, sent_tokens=[0] * request.params.n,
                                done=[False] * request.params.n)
+            extra = {"priority": request.priority} if request.priority else {}
             try:
                 self.engine.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                        prompt=request.prompt, lora_request=request.lora_request)
+                                        prompt=request.prompt, lora_request=request.lora_request, **extra)
             except RequestError as e:  # this request only
                 self._queue(outgoing, tracked, e)
                 return
@@ -234,11 +303,12 @@ class EngineThread:
         tracked = self._tracked.get(output.request_id)
         if tracked is None:
             return
-        if output.error:  # failed after it was accepted (a grammar that did not compile): this request only
+        if output.error:  # failed after it was accepted (a grammar that did not compile, a failed step)
             del self._tracked[output.request_id]
             if self.metrics is not None:
                 self.metrics.on_request_finished("abort", now - tracked.arrival)
-            self._queue(outgoing, tracked, RequestError(output.error))
+            failure = EngineStepFailed if getattr(output, "internal_error", False) else RequestError
+            self._queue(outgoing, tracked, failure(output.error))
             return
         completions = []
         new_tokens = 0
@@ -268,7 +338,7 @@ class EngineThread:
             if self.metrics is not None:
                 reasons = {c.finish_reason for c in output.outputs}
                 reason = next(r for r in ("abort", "length", "stop") if r in reasons)
-                self.metrics.on_request_finished(reason, now - tracked.arrival)
+                self.metrics.on_request_finished(reason, now - tracked.arrival, output.metrics)
         if completions or output.finished:
             delta = RequestDelta(output.request_id, output.prompt_token_ids, completions, output.finished,
                                  output.num_cached_tokens)
@@ -315,3 +385,9 @@ class EngineThread:
             if command[0] == "add":
                 _, request, tag, loop, post, _ = command
                 outgoing.setdefault((loop, post), []).append((tag, EngineDead(self.fatal_error)))
+            elif command[0] == "call":
+                _, _, loop, resolve = command
+                try:
+                    loop.call_soon_threadsafe(resolve, False, EngineDead(self.fatal_error))
+                except RuntimeError:
+                    pass

@@ -1,4 +1,6 @@
-"""Prometheus metrics, named after vLLM's with a `jaxinfer:` prefix.
+"""Prometheus metrics under vLLM's names, twice: with a `jaxinfer:` prefix
+and with vLLM's own `vllm:` prefix, so that dashboards and autoscalers
+written for vLLM read a jaxinfer server unchanged.
 
 Gauges and engine counters are refreshed from the engine's stats() after
 every step (by the engine thread, which owns the engine); token counters and
@@ -9,7 +11,11 @@ app gets its own registry, so several servers (tests) can live in one process.
 Latencies follow vLLM's definitions, measured from the moment the HTTP
 handler submits the request: time to first token, inter-token latency
 (between successive posts of a request, per post: a post after a
-speculative step carries several tokens), end-to-end latency.
+speculative step carries several tokens), end-to-end latency. The phases of
+a finished request come from the engine's own timestamps (outputs.py
+RequestMetrics): queue (arrival to first scheduled), prefill (first
+scheduled to first token), decode (first to last token) and inference
+(first scheduled to last token).
 """
 
 from __future__ import annotations
@@ -38,13 +44,41 @@ _ENGINE_COUNTERS = {
 }
 
 
+PREFIXES = ("jaxinfer", "vllm")
+_PHASE_BUCKETS = _E2E_BUCKETS
+
+
+class _Both:
+    """One metric under each prefix; labels() and the updates reach both."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+
+    def labels(self, **labels):
+        return _Both([m.labels(**labels) for m in self.metrics])
+
+    def inc(self, amount=1):
+        for m in self.metrics:
+            m.inc(amount)
+
+    def set(self, value):
+        for m in self.metrics:
+            m.set(value)
+
+    def observe(self, value):
+        for m in self.metrics:
+            m.observe(value)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
         def make(kind, name, doc, **kw):
-            return kind(f"jaxinfer:{name}", doc, labels + kw.pop("extra_labels", []), registry=self.registry, **kw)
+            extra = kw.pop("extra_labels", [])
+            return _Both([kind(f"{prefix}:{name}", doc, labels + extra, registry=self.registry, **kw)
+                          for prefix in PREFIXES])
 
         self._running = make(Gauge, "num_requests_running", "Requests with sequences in the running batch.")
         self._waiting = make(Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
@@ -60,11 +94,16 @@ class ServerMetrics:
                          buckets=_ITL_BUCKETS)
         self._e2e = make(Histogram, "e2e_request_latency_seconds", "End-to-end request latency.",
                          buckets=_E2E_BUCKETS)
+        self._phases = {phase: make(Histogram, f"request_{phase}_time_seconds", doc, buckets=_PHASE_BUCKETS)
+                        for phase, doc in (("queue", "Time from arrival to first scheduling."),
+                                           ("prefill", "Time from first scheduling to the first token."),
+                                           ("decode", "Time from the first to the last token."),
+                                           ("inference", "Time from first scheduling to the last token."))}
         self._name = model_name
         self._last_engine_counts = {key: 0 for key in _ENGINE_COUNTERS}
         # Export every series from the start (at 0), not from its first event.
         for metric in (self._running, self._waiting, self._kv_usage, self._prompt_tokens, self._generation_tokens,
-                       *self._engine_counters.values(), self._ttft, self._itl, self._e2e):
+                       *self._engine_counters.values(), self._ttft, self._itl, self._e2e, *self._phases.values()):
             self._l(metric)
         for reason in ("stop", "length", "abort"):
             self._l(self._success, finished_reason=reason)
@@ -83,10 +122,20 @@ class ServerMetrics:
         else:
             self._l(self._itl).observe(now - last_token_time)
 
-    def on_request_finished(self, reason: str, e2e_seconds: float | None) -> None:
+    def on_request_finished(self, reason: str, e2e_seconds: float | None, times=None) -> None:
+        """times: the engine's RequestMetrics of the request, or None."""
         self._l(self._success, finished_reason=reason).inc()
         if e2e_seconds is not None and reason != "abort":
             self._l(self._e2e).observe(e2e_seconds)
+        if times is None or reason == "abort" or times.first_scheduled_time is None:
+            return
+        phases = {"queue": (times.arrival_time, times.first_scheduled_time),
+                  "prefill": (times.first_scheduled_time, times.first_token_time),
+                  "decode": (times.first_token_time, times.last_token_time),
+                  "inference": (times.first_scheduled_time, times.last_token_time)}
+        for phase, (start, end) in phases.items():
+            if start is not None and end is not None:
+                self._l(self._phases[phase]).observe(max(0.0, end - start))
 
     def on_engine_stats(self, stats: dict) -> None:
         self._l(self._running).set(stats["num_requests_running"])

@@ -6,7 +6,11 @@ Usage counts each prompt once and every generated token of every choice.
 Logprobs: completions get OpenAI's legacy columns (tokens, token_logprobs,
 top_logprobs as {token text: logprob} with the sampled token included,
 text_offset); chat gets `content: [{token, logprob, bytes, top_logprobs}]`
-with exactly top_logprobs entries, best first.
+with exactly top_logprobs entries, best first. A logprob of a token that a
+mask ruled out (structured outputs, allowed_token_ids, ...) is -inf, which
+JSON cannot carry: it is sent as -9999.0, as vLLM does.
+Prompt logprobs (vLLM's `prompt_logprobs`): [null, {"token id": {"logprob",
+"rank", "decoded_token"}}, ...], the prompt's own token and the top k.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+# The floor vLLM sends for -inf (and NaN) logprobs: JSON has no infinity.
+MIN_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB
+
+
 def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda item: item[1].rank)[:k]
 
@@ -41,18 +53,32 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
         sampled = entry[token_id]
         text = sampled.decoded_token or ""
         tokens.append(text)
-        token_logprobs.append(sampled.logprob)
-        choices = {lp.decoded_token or "": lp.logprob for _, lp in _top(entry, k)}
-        choices.setdefault(text, sampled.logprob)
+        token_logprobs.append(finite(sampled.logprob))
+        choices = {lp.decoded_token or "": finite(lp.logprob) for _, lp in _top(entry, k)}
+        choices.setdefault(text, finite(sampled.logprob))
         top.append(choices)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def echoed_prompt_logprobs(token_ids: list[int], entries: list, k: int, first_text: str) -> dict:
+    """The legacy columns of an echoed prompt (entries from prompt_logprobs):
+    its first token has no logprob (null); first_text is that token's text."""
+    columns = completion_logprobs(token_ids[1:], entries[1:], k, len(first_text))
+    return {"tokens": [first_text] + columns["tokens"], "token_logprobs": [None] + columns["token_logprobs"],
+            "top_logprobs": [None] + columns["top_logprobs"], "text_offset": [0] + columns["text_offset"]}
+
+
+def prompt_logprobs_json(entries: list) -> list:
+    return [None if entry is None else {str(token): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                                                     "decoded_token": lp.decoded_token}
+                                        for token, lp in entry.items()} for entry in entries]
+
+
 def _chat_token(lp: Logprob) -> dict:
     text = lp.decoded_token or ""
-    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": finite(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int) -> dict:
@@ -108,9 +134,13 @@ class ResponseBuilder:
         return self._envelope("text_completion", [choice])
 
     # -- chat -----------------------------------------------------------------
-    def chat_choice(self, index: int, text: str, finish_reason, stop_reason, logprobs) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+    def chat_choice(self, index: int, text: str | None, finish_reason, stop_reason, logprobs,
+                    tool_calls: list | None = None) -> dict:
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     def chat_completion(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
         body = self._envelope("chat.completion", choices)

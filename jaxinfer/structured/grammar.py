@@ -7,7 +7,8 @@ cheap; building is what can take 100 ms+ for a large schema). One worker
 thread compiles (llguidance drops the GIL while it builds, so steps go on);
 futures are cached by the spec's canonical key (a schema's key order does
 not matter), failures included, since a spec that did not compile never
-will. The engine enforces the timeout: a request whose grammar is not ready
+will. At most `max_pending` distinct specs wait at once; one more raises
+GrammarQueueFull (a server answers 429). The engine enforces the timeout: a request whose grammar is not ready
 after `timeout` seconds fails; its compile runs on and is cached.
 
 The llguidance tokenizer (LLTokenizer) is built on the worker too, on the
@@ -41,10 +42,18 @@ _ANY_OBJECT = {"type": "object"}
 # whitespace (its `disable_any_whitespace=False`); this is our choice.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 CACHE_SIZE = 256
+# Distinct specs waiting for (or in) the worker at most: a flood of distinct
+# schemas must not queue minutes of compiling ahead of everyone else's.
+MAX_PENDING = 32
 
 
 class GrammarError(ValueError):
     """A spec that llguidance cannot compile; the message names the problem."""
+
+
+class GrammarQueueFull(GrammarError):
+    """More distinct grammars wait for the one compile worker than it accepts."""
+
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -122,7 +131,7 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, max_pending: int = MAX_PENDING):
         if tokenizer is None:
             raise GrammarError("structured outputs need a tokenizer, and this model has none")
         self._tokenizer = tokenizer
@@ -130,7 +139,9 @@ class GrammarCompiler:
         self._lltokenizer: llguidance.LLTokenizer | None = None  # built on the worker only
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxinfer-grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a future done at once runs _done inside submit's lock
+        self.max_pending = max_pending
+        self.num_pending = 0  # submitted and not done (under _lock)
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
@@ -146,11 +157,20 @@ class GrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
+            if self.num_pending >= self.max_pending:
+                raise GrammarQueueFull(f"structured_outputs: {self.num_pending} grammars are already waiting to "
+                                       f"compile (at most {self.max_pending}); retry later")
+            self.num_pending += 1
             future = self._worker.submit(self.compile, spec)
+            future.add_done_callback(self._done)
             self._cache[key] = future
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
             return future
+
+    def _done(self, _future) -> None:
+        with self._lock:
+            self.num_pending -= 1
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """Compile now, on the calling thread (the worker runs this)."""

@@ -58,7 +58,7 @@ class Proposer:
         not speculate, else K capped so that accepted drafts plus the target's
         own token never pass max_tokens or max_model_len."""
         params = seq.params
-        if params.logprobs is not None or params.uses_penalties or params.structured_outputs is not None:
+        if params.logprobs is not None or params.uses_penalties or params.constrains_tokens:
             return 0
         remaining = params.max_tokens - len(seq.output_token_ids)
         return max(0, min(self.k, remaining - 1, self.max_model_len - seq.num_tokens - 1))
