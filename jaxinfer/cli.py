@@ -58,6 +58,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding (draft_model: the target itself as its draft; "
                              "eagle: the draft head shipped for the default model)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="prepare step N + 1 on the host while step N runs (default: on with a GPU)")
     lora = parser.add_argument_group("LoRA adapters (README.md, LoRA adapters)")
     lora.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters (implied by "
                       "--lora-modules)")
@@ -69,7 +71,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _engine_options(args) -> dict:
     """LLM(...) keywords of _add_model_args' and _add_engine_args' engine options."""
     options = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend)
+                   max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+                   async_scheduling=args.async_scheduling)
     if args.speculative_method:
         options["speculative"] = {"method": args.speculative_method,
                                   "num_speculative_tokens": args.num_speculative_tokens}
@@ -124,28 +127,36 @@ def _generate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
+    # One batch of these prompts is all this engine runs: its programs are the
+    # buckets of that many sequences, compiled (or loaded) before it starts, so
+    # that no compilation shares the cores with the generation it times.
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-              **_quantization_options(args), **_parallel_options(args))
+              max_num_seqs=len(args.prompts), **_quantization_options(args), **_parallel_options(args))
+    llm.wait_compiled()
     loaded = time.perf_counter()
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
     else:
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    done = time.perf_counter()
     for prompt, output in zip(args.prompts, outputs):
         completion = output.outputs[0]
         if len(args.prompts) > 1:
             print(f"### {prompt}")
         print(completion.text if args.chat else prompt + completion.text)
-    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    ttft = outputs[0].metrics.time_to_first_token
-    print(
-        f"[load + compile {loaded - start:.1f}s, maximum context {llm.stats()['max_context_len']} tokens, "
-        f"first token {ttft * 1e3:.0f} ms, "
-        f"{num_tokens} tokens in {done - loaded:.2f}s = {num_tokens / (done - loaded):.1f} tok/s]",
-        file=sys.stderr,
-    )
+    print(f"[load + compile {loaded - start:.1f}s, maximum context {llm.stats()['max_context_len']} tokens, "
+          f"{_speed(outputs)}]", file=sys.stderr)
     return 0
+
+
+def _speed(outputs) -> str:
+    """Time to the first token and the decode rate after it: the engine's
+    speed, which the first token's prefill would hide in an average over all."""
+    first = min(o.metrics.first_token_time for o in outputs)
+    last = max(o.metrics.last_token_time for o in outputs)
+    decoded = sum(len(o.outputs[0].token_ids) for o in outputs) - len(outputs)  # tokens after each first
+    rate = f"{decoded / (last - first):.1f} tok/s" if decoded > 0 and last > first else "n/a"
+    return (f"first token {outputs[0].metrics.time_to_first_token * 1e3:.0f} ms, then {decoded} tokens "
+            f"at {rate}")
 
 
 def _bench(args) -> int:

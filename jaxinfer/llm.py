@@ -37,6 +37,8 @@ class LLM:
     kv_cache_dtype ("auto": the model's dtype; "int8" or "fp8": quantized K/V with a float32 scale
     per token and KV head, about 4x (float32 models) or 2x (bfloat16) the blocks for the same memory),
     speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see engine/spec/config.py),
+    async_scheduling (None: on with a GPU, off on CPU; prepare step N + 1 on the host while step N runs,
+    engine/engine.py),
     background_compile (True: serve once the largest shape buckets are compiled and compile the
     others on a thread; see wait_compiled),
     enable_lora / max_loras / max_lora_rank (serve PEFT LoRA adapters: up to max_loras distinct adapters in

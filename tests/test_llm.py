@@ -135,6 +135,9 @@ def test_cli_generate_prints_completion(capsys):
     from jaxinfer.cli import main
 
     assert main(["generate", "--max-tokens", "4", "The capital of France is"]) == 0
-    assert "The capital of France is Paris" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "The capital of France is Paris" in out.out
+    # The rate it prints is the decode rate, over the tokens after the first (whose time is the prefill's).
+    assert "then 3 tokens at" in out.err and "tok/s" in out.err
     assert main(["generate", "--temperature", "-1", "x"]) == 2
     assert "temperature" in capsys.readouterr().err
