@@ -14,7 +14,8 @@ def latency_lines(label: str, run: dict) -> list[str]:
     lines = []
     for key in sorted((k for k in run if k.startswith("latency_b")), key=lambda k: int(k[9:])):
         lat = run[key]
-        lines.append(f"{label} batch {lat['batch_size']:>3}: decode step {lat['decode_step_ms_mean']:.2f} ms, "
+        lines.append(f"{label} batch {lat['batch_size']:>3}: decode step {lat['decode_step_ms_mean']:.2f} ms "
+                     f"(median {lat.get('decode_step_ms_median', float('nan')):.2f}), "
                      f"{lat['decode_tokens_per_s']:.0f} tok/s, {lat['step_over_weight_read']:.2f}x the weight read, "
                      f"device alone {lat['device_step_ms']:.2f} ms, host share {lat['host_share_of_step_time']:.1%}")
     return lines
