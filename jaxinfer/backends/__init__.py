@@ -17,9 +17,7 @@ from jaxinfer.backends.cpu import CpuBackend
 from jaxinfer.backends.gpu import GpuBackend
 from jaxinfer.backends.xla import XlaBackend
 
-Backend = XlaBackend  # the interface every backend implements
-
-__all__ = ["Backend", "CpuBackend", "GpuBackend", "XlaBackend", "backend_class", "choose_backend"]
+__all__ = ["CpuBackend", "GpuBackend", "XlaBackend", "backend_class", "choose_backend"]
 
 
 def backend_class(platform: str | None = None) -> type[XlaBackend]:

@@ -60,7 +60,6 @@ FEW_ROW_HEAD_MAX_ROWS = 128
 
 @dataclasses.dataclass(frozen=True)
 class CpuBackend(XlaBackend):
-    name: ClassVar[str] = "cpu"
 
     # Whether the native kernels may run (False on a mesh).
     native: bool = True

@@ -46,7 +46,6 @@ PALLAS_MAX_ROWS = 64
 
 @dataclasses.dataclass(frozen=True)
 class GpuBackend(XlaBackend):
-    name: ClassVar[str] = "gpu"
     # Wide batches fill a GPU; its compile grid may be larger.
     max_num_seqs: ClassVar[int] = 128
     max_num_batched_tokens: ClassVar[int] = 2048

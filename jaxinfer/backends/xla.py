@@ -49,7 +49,6 @@ class XlaBackend:
     whatever the depth), every operation in jnp (quant/linear.py,
     models/paged_attention.py), no platform setting."""
 
-    name: ClassVar[str] = "xla"
     # The engine's defaults on this platform (engine/config.py): every (tokens,
     # seqs) bucket pair compiles at start-up, so a CPU keeps the grid small.
     max_num_seqs: ClassVar[int] = 16
