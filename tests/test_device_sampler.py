@@ -13,18 +13,21 @@ import numpy as np
 import pytest
 
 from jaxinfer.engine.sampler import (
+    BRANCH_FREE,
+    CONDITIONAL,
     SamplingMetadata,
     apply_penalties,
     first_argmax,
     make_penalty_inputs,
+    needed_work,
     sample,
     sampling_logits,
 )
 from jaxinfer.sampling_params import SamplingParams
 from tests import reference_sampler as ref
 
-SAMPLE = jax.jit(sample, static_argnames=("num_logprobs", "conditional"))
-FILTERED = jax.jit(sampling_logits, static_argnames="conditional")
+SAMPLE = jax.jit(sample, static_argnames=("num_logprobs", "work"))
+FILTERED = jax.jit(sampling_logits, static_argnames="work")
 PENALISE = jax.jit(apply_penalties)
 
 # Upper 1e-4 quantiles of chi-square (as in tests/test_sampling.py).
@@ -111,11 +114,12 @@ def test_make_penalty_inputs_counts_by_loop():
 # ---------------------------------------------------------------- filters
 
 
-@pytest.mark.parametrize("conditional", [True, False], ids=["conditional", "branch-free"])
+@pytest.mark.parametrize("how", ["conditional", "needed", "all"])
 @pytest.mark.parametrize("vocab", [7, 13, 50])
-def test_filters_match_reference_keep_sets(vocab, conditional):
-    """Both ways of paying for work only some rows need (skipped under a
-    lax.cond, or always computed: the GPU backend's) keep the reference's sets."""
+def test_filters_match_reference_keep_sets(vocab, how):
+    """Every way of paying for work only some rows need (skipped under a
+    lax.cond; or, as the GPU backend does, just the pieces the batch needs, or
+    every piece, computed unconditionally) keeps the reference's sets."""
     rng = np.random.default_rng(vocab)
     rows, checked, total = 64, 0, 0
     # "min_p" batches have no row using top-k/top-p (the search is skipped),
@@ -124,8 +128,9 @@ def test_filters_match_reference_keep_sets(vocab, conditional):
         logits = random_logits(rng, rows, vocab)
         params = [random_params(rng, vocab, mode) for _ in range(rows)]
         meta = meta_for(params, steps=[batch] * rows)
-        got = np.asarray(FILTERED(logits, meta, conditional=conditional))
-        tokens = np.asarray(SAMPLE(logits, meta, conditional=conditional).token_ids)
+        work = {"conditional": CONDITIONAL, "needed": needed_work(params, vocab), "all": BRANCH_FREE}[how]
+        got = np.asarray(FILTERED(logits, meta, work=work))
+        tokens = np.asarray(SAMPLE(logits, meta, work=work).token_ids)
         for i, p in enumerate(params):
             scaled = (logits[i] / np.float32(p.temperature)).astype(np.float64)
             total += 1
@@ -387,21 +392,27 @@ def test_first_argmax_is_numpys_argmax_with_ties_nan_and_bools():
 
 
 def test_branch_free_sampler_draws_what_the_conditional_one_draws():
-    """The GPU backend's sampler (no lax.cond: every optional piece computed,
-    selected per row) draws exactly the tokens and logprobs of the
-    conditional one, which the tests above check against the reference:
-    all-greedy, mixed and sampled batches, with a structured-output mask on
-    some rows or none."""
+    """The GPU backend's sampler (no lax.cond: the pieces the batch needs, or
+    every piece, computed unconditionally and selected per row) draws exactly
+    the tokens and logprobs of the conditional one, which the tests above
+    check against the reference: all-greedy, mixed and sampled batches (with
+    and without top-k / top-p rows), with a structured-output mask on some
+    rows or none."""
     rng = np.random.default_rng(11)
     rows, vocab = 8, 96
     logits, params, seeds, steps = varied_batch(rng, rows, vocab)
     greedy = [SamplingParams(temperature=0.0) for _ in range(rows)]
     mixed = [p if i % 3 else g for i, (p, g) in enumerate(zip(params, greedy))]
     bitmask = rng.integers(-2**31, 2**31, (rows, -(-vocab // 32)), dtype=np.int64).astype(np.int32)
-    for batch in (greedy, mixed, params):
+    unfiltered = [SamplingParams(temperature=0.9, min_p=0.05) if i % 2 else g for i, g in enumerate(greedy)]
+    for batch in (greedy, mixed, params, unfiltered):
         for constrained in (np.zeros(rows, bool), np.arange(rows) % 2 == 0):
             meta = meta_for(batch, seeds, steps)
-            outs = [SAMPLE(logits, meta, num_logprobs=3, bitmask=bitmask, constrained=constrained,
-                           conditional=conditional) for conditional in (True, False)]
-            for a, b in zip(*outs):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            outs = [SAMPLE(logits, meta, num_logprobs=3, bitmask=bitmask, constrained=constrained, work=work)
+                    for work in (CONDITIONAL, needed_work(batch, vocab), BRANCH_FREE)]
+            for same in zip(*outs):
+                for other in same[1:]:
+                    np.testing.assert_array_equal(np.asarray(other), np.asarray(same[0]))
+    # The greedy batch's program holds neither the draw nor the searches; the unfiltered one no searches.
+    assert needed_work(greedy, vocab) == needed_work([None] * rows, vocab) and not needed_work(greedy, vocab).draw
+    assert needed_work(unfiltered, vocab).draw and not needed_work(unfiltered, vocab).filters

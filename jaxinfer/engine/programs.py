@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.sampler import sample
+from jaxinfer.engine.sampler import SamplerWork, sample
 from jaxinfer.engine.verify import verify, verify_greedy
 from jaxinfer.models.layers import rms_norm
 from jaxinfer.models.llama import forward
@@ -128,20 +128,20 @@ def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, lora_slots
     return _gathered_logits(logits, mesh), features, kv_cache
 
 
-@functools.partial(jax.jit, static_argnames=("full", "conditional", "feed_size", "mesh"))
-def sample_step(logits, sampling_meta, penalty_inputs, bitmask, constrained, *, full: bool, conditional: bool,
+@functools.partial(jax.jit, static_argnames=("full", "work", "feed_size", "mesh"))
+def sample_step(logits, sampling_meta, penalty_inputs, bitmask, constrained, *, full: bool, work: SamplerWork,
                 feed_size: int, mesh=None):
     """-> (SamplerOutput, feed int32 [feed_size]: the sampled tokens padded
     with zeros, which the next step's forward can read on the device).
     bitmask int32 [S, ceil(V / 32)], constrained bool [S]: structured
-    outputs' allowed tokens. conditional (the backend's conditional_skips):
-    work only some rows need, the mask among it, sits under a lax.cond, so a
-    step with no constrained row (all False, a resident zero mask) skips it
-    (engine/sampler.py)."""
+    outputs' allowed tokens. work: which work only some rows need the
+    program holds, and whether under a lax.cond (engine/sampler.py); with
+    CONDITIONAL a step with no constrained row (all False, a resident zero
+    mask) skips the mask."""
     prompt_mask, output_counts, logit_bias = penalty_inputs if full else (None, None, None)
     num_logprobs = MAX_LOGPROBS if full else 0
     out = sample(logits, sampling_meta, prompt_mask, output_counts, num_logprobs=num_logprobs, bitmask=bitmask,
-                 constrained=constrained, logit_bias=logit_bias, conditional=conditional)
+                 constrained=constrained, logit_bias=logit_bias, work=work)
     feed = jnp.zeros((feed_size,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
     return _replicated((out, feed), mesh)
 

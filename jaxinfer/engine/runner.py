@@ -32,7 +32,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.executable_cache import LOAD_THREADS, ExecutableCache
 from jaxinfer.engine.inputs import StepInputs, build_inputs
 from jaxinfer.engine.programs import forward_step, sample_step, verify_step
-from jaxinfer.engine.sampler import SamplingMetadata, make_penalty_inputs
+from jaxinfer.engine.sampler import CONDITIONAL, SamplerWork, SamplingMetadata, make_penalty_inputs, needed_work
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence
 from jaxinfer.engine.token_rules import constrained_this_step, fill_step_masks
@@ -129,6 +129,11 @@ class ModelRunner:
         # feed_size (every sequence bucket fits), on the device, and each of
         # its sequences' row in it; per token bucket, an all -1 feed index.
         self.feed_size = max(self.decode_buckets + [s for t in self.token_buckets for s in self._mixed_seq_buckets(t)])
+        # The sample programs of each size: the conditional one, or one per
+        # combination of optional pieces (engine/sampler.py, needed_work).
+        self._sampler_works = [CONDITIONAL] if backend.conditional_skips else [
+            SamplerWork(conditional=False, draw=draw, filters=filters)
+            for draw, filters in ((False, False), (True, False), (True, True))]
         self._feed = self._put(np.zeros(self.feed_size, np.int32)) if mesh is not None else \
             jax.device_put(np.zeros(self.feed_size, np.int32))
         self._feed_rows: dict = {}
@@ -145,12 +150,13 @@ class ModelRunner:
 
     def bucket_programs(self, bucket: tuple[int, int, str]) -> list[tuple]:
         """The programs a step in `bucket` runs: its forward and, with sampling,
-        the sampler of its seqs size, plain and full (programs.py), and
-        acceptance for a verify bucket."""
+        the sampler of its seqs size, plain and full (programs.py), one per
+        SamplerWork the backend uses (engine/sampler.py), and acceptance for a
+        verify bucket."""
         _, num_seqs, layout = bucket
         programs = [("forward", *bucket)]
         if self.sampling:
-            programs += [("sample", num_seqs, False), ("sample", num_seqs, True)]
+            programs += [("sample", num_seqs, full, work) for full in (False, True) for work in self._sampler_works]
             if layout == "verify":
                 programs.append(("verify", num_seqs, self.num_speculative_tokens))
         return programs
@@ -276,10 +282,10 @@ class ModelRunner:
                                   seq_lora_slots=None if self.lora is None else [])
             return self._forward_call(inputs)
         if kind == "sample":
-            full = program[2]
+            full, work = program[2:]
             penalties = make_penalty_inputs([], [], vocab, num_seqs, logit_biases=[]) if full else None
             logits = self._put(np.zeros((num_seqs, vocab), np.float32))
-            return self._sample_call(logits, sampling, penalties, full, self._no_mask(num_seqs))
+            return self._sample_call(logits, sampling, penalties, full, work, self._no_mask(num_seqs))
         k = program[2]
         logits = self._put(np.zeros((num_seqs * (1 + k), vocab), np.float32))
         drafts, num_drafts = np.zeros((num_seqs, k), np.int32), np.zeros(num_seqs, np.int32)
@@ -365,15 +371,21 @@ class ModelRunner:
         self.num_masks += len(states)
         return self._put((bitmask, constrained))
 
-    def _sample(self, logits, sampling, penalties, full: bool, masks: tuple):
-        return self._run(("sample", logits.shape[0], full), *self._sample_call(logits, sampling, penalties, full,
-                                                                                masks))
+    def _sample(self, logits, sampling, penalties, full: bool, work: SamplerWork, masks: tuple):
+        return self._run(("sample", logits.shape[0], full, work),
+                         *self._sample_call(logits, sampling, penalties, full, work, masks))
 
-    def _sample_call(self, logits, sampling, penalties, full: bool, masks: tuple):
+    def _sample_call(self, logits, sampling, penalties, full: bool, work: SamplerWork, masks: tuple):
         sampling, penalties = self._put((sampling, penalties))
-        statics = dict(full=full, conditional=self.backend.conditional_skips, feed_size=self.feed_size,
-                       mesh=self.mesh)
+        statics = dict(full=full, work=work, feed_size=self.feed_size, mesh=self.mesh)
         return sample_step, (logits, sampling, penalties, *masks), statics
+
+    def _sampler_work(self, seqs: list[Sequence]) -> SamplerWork:
+        """The sample program a batch runs: the conditional one, or (a backend
+        without conditional skips) the one with just the pieces it needs."""
+        if self.backend.conditional_skips:
+            return CONDITIONAL
+        return needed_work([s.params for s in seqs], self.config.vocab_size)
 
     def _verify(self, logits, drafts, num_drafts, sampling):
         return self._run(("verify", drafts.shape[0], drafts.shape[1]),
@@ -417,7 +429,7 @@ class ModelRunner:
         # Dispatch is asynchronous: the host fills the masks while the device runs the forward.
         masks = self._token_masks(batch, num_seqs)
         if not verify:
-            sampled, self._feed = self._sample(logits, sampling, penalties, full, masks)
+            sampled, self._feed = self._sample(logits, sampling, penalties, full, self._sampler_work(seqs), masks)
             self._feed_rows = {s.seq_id: i for i, s in enumerate(seqs)}
             self.device_time += time.perf_counter() - start
             return Launched(sampled, None, num_emitted, features, inputs.attn_meta.query_start)
@@ -430,7 +442,8 @@ class ModelRunner:
         token_ids, num_emitted = np.array(token_ids), np.array(num_emitted)
         sampled = None
         if not num_drafts[: len(seqs)].all():
-            sampled = jax.device_get(self._sample(first_logits, sampling, penalties, full, masks)[0])
+            sampled = jax.device_get(self._sample(first_logits, sampling, penalties, full, self._sampler_work(seqs),
+                                                  masks)[0])
             drafted = num_drafts > 0
             token_ids[:, 0] = np.where(drafted, token_ids[:, 0], sampled.token_ids)
             num_emitted = np.where(drafted, num_emitted, 1)

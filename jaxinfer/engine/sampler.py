@@ -10,12 +10,14 @@ in the reference, and none needs a sort.
 
 Work that only some rows need (the top-k and top-p searches, the draw of
 sampled rows, the structured-output mask) is per-row selects, so rows that
-do not need it come out unchanged either way. `conditional` chooses how the
-batch pays for it: under a lax.cond that skips it when no row needs it
-(CPU: a step of greedy rows does none of it), or always (GPU: an XLA
+do not need it come out unchanged either way. `SamplerWork` says how a
+program pays for it: CONDITIONAL (CPU) holds every piece, each under a
+lax.cond that skips it when no row needs it; otherwise (GPU: an XLA
 conditional copies its predicate to the host and waits for it, which stalls
-the stream the host is queueing work on and splits CUDA graphs; the backend
-says which, backends/xla.py `conditional_skips`).
+the stream the host is queueing work on and splits CUDA graphs) the host,
+which knows every row's parameters, picks a program that holds just the
+pieces the batch needs (`needed_work`) and computes them unconditionally.
+The backend says which (backends/xla.py `conditional_skips`).
 
 A row's random draw uses the key fold_in(key(seed), step) and nothing else,
 so a request's tokens do not depend on its batch row, the bucket size or
@@ -215,30 +217,59 @@ def _top_p(x, top_p, use_p):
     return jnp.where(x >= jnp.where(use_p, cutoff, _NEG_INF)[:, None], x, _NEG_INF)
 
 
-def _when(conditional: bool, needed, fn, x):
-    """fn(x) for the rows that need it (fn leaves the others unchanged):
-    under a lax.cond skipped when `needed` is False, or always."""
-    return lax.cond(needed, fn, lambda x: x, x) if conditional else fn(x)
+@dataclasses.dataclass(frozen=True)
+class SamplerWork:
+    """Which work only some rows need a sample program holds (a static
+    argument: one program per value). conditional: each piece under a
+    lax.cond that skips it when no row needs it; else `draw` (sampled rows'
+    draws) and `filters` (the top-k and top-p searches) say which pieces the
+    program computes, for every row."""
+
+    conditional: bool = True
+    draw: bool = True
+    filters: bool = True
+
+
+CONDITIONAL = SamplerWork()
+# Every piece, unconditionally: what a batch of unknown rows needs.
+BRANCH_FREE = SamplerWork(conditional=False)
+
+
+def needed_work(params_list: Sequence[SamplingParams | None], vocab_size: int) -> SamplerWork:
+    """The unconditional program a batch needs: draws if any row samples,
+    the threshold searches if any sampled row uses top-k or top-p."""
+    sampled = [p for p in params_list if p is not None and p.temperature > 0]
+    filters = any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in sampled)
+    return SamplerWork(conditional=False, draw=bool(sampled), filters=filters)
+
+
+def _when(work: SamplerWork, include: bool, needed, fn, x):
+    """fn(x) for the rows that need it (fn leaves the others unchanged): under
+    a lax.cond skipped when `needed` is False, or, unconditionally, where the
+    program includes it."""
+    if work.conditional:
+        return lax.cond(needed, fn, lambda x: x, x)
+    return fn(x) if include else x
 
 
 def filter_logits(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                  conditional: bool = True) -> jax.Array:
+                  work: SamplerWork = CONDITIONAL) -> jax.Array:
     """Batched `filter_logits` of tests/reference_sampler.py: removed tokens become -inf.
 
     x is already divided by the temperature. Top-k and top-p are threshold
-    searches, each skipped (lax.cond, where `conditional`) when no row uses it. Min-p needs no
+    searches, each skipped when no row uses it (SamplerWork). Min-p needs no
     renormalisation: p_i >= min_p * p_max is exp(x_i - max) >= min_p, and the
     maximum survives every filter.
     """
     vocab = x.shape[-1]
     use_k = (top_k > 0) & (top_k < vocab)
     use_p = top_p < 1.0
-    x = _when(conditional, jnp.any(use_k), lambda x: _top_k(x, top_k, use_k), x)
-    x = _when(conditional, jnp.any(use_p), lambda x: _top_p(x, top_p, use_p), x)
+    x = _when(work, work.filters, jnp.any(use_k), lambda x: _top_k(x, top_k, use_k), x)
+    x = _when(work, work.filters, jnp.any(use_p), lambda x: _top_p(x, top_p, use_p), x)
     return jnp.where(jnp.exp(x - _row_max(x)) >= min_p[:, None], x, _NEG_INF)
 
 
-def sampling_logits(logits: jax.Array, meta: SamplingMetadata, conditional: bool = True) -> jax.Array:
+def sampling_logits(logits: jax.Array, meta: SamplingMetadata, work: SamplerWork = CONDITIONAL) -> jax.Array:
     """Temperature-scaled, filtered logits whose softmax the sampled rows draw
     from. Greedy rows are returned unscaled and unfiltered (they use argmax)."""
     greedy = meta.temperature <= 0.0
@@ -249,10 +280,10 @@ def sampling_logits(logits: jax.Array, meta: SamplingMetadata, conditional: bool
     top_k = jnp.where(greedy, 0, meta.top_k)
     top_p = jnp.where(greedy, 1.0, meta.top_p)
     min_p = jnp.where(greedy, 0.0, meta.min_p)
-    return filter_logits(logits / temperature[:, None], top_k, top_p, min_p, conditional)
+    return filter_logits(logits / temperature[:, None], top_k, top_p, min_p, work)
 
 
-def _draw(logits: jax.Array, meta: SamplingMetadata, conditional: bool = True) -> jax.Array:
+def _draw(logits: jax.Array, meta: SamplingMetadata, work: SamplerWork = CONDITIONAL) -> jax.Array:
     """Inverse-CDF draw: one uniform per row instead of jax.random.categorical's
     V Gumbel variates, whose generation dominates a CPU step (~5x the cost).
 
@@ -260,7 +291,7 @@ def _draw(logits: jax.Array, meta: SamplingMetadata, conditional: bool = True) -
     mass. Only tokens with positive weight are selectable, so a filtered token is
     never returned even where the float32 prefix sum is not exactly monotone.
     """
-    x = sampling_logits(logits, meta, conditional)
+    x = sampling_logits(logits, meta, work)
     weight = jnp.exp(x - _row_max(x))
     prefix = jnp.cumsum(weight, axis=-1)
 
@@ -286,11 +317,11 @@ def _logprobs(logits: jax.Array, tokens: jax.Array, k: int):
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, constrained: jax.Array,
-                        conditional: bool = True) -> jax.Array:
+                        work: SamplerWork = CONDITIONAL) -> jax.Array:
     """Structured outputs: in the constrained rows, tokens whose bit is clear
     in the packed int32 bitmask [B, ceil(V / 32)] become -inf (bit j of word
     w is token 32 w + j, llguidance's layout); other rows are unchanged. The
-    whole thing is skipped (lax.cond, where `conditional`) when no row is constrained."""
+    whole thing is skipped (SamplerWork.conditional) when no row is constrained."""
     vocab = logits.shape[-1]
 
     def masked(x):
@@ -299,7 +330,7 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array, constrained: jax.
         allowed = bits.reshape(bits.shape[0], -1)[:, :vocab] != 0
         return jnp.where(allowed | ~constrained[:, None], x, _NEG_INF)
 
-    return _when(conditional, jnp.any(constrained), masked, logits)
+    return _when(work, True, jnp.any(constrained), masked, logits)
 
 
 def sample(
@@ -311,7 +342,7 @@ def sample(
     bitmask: jax.Array | None = None,
     constrained: jax.Array | None = None,
     logit_bias: jax.Array | None = None,
-    conditional: bool = True,
+    work: SamplerWork = CONDITIONAL,
 ) -> SamplerOutput:
     """One token per row. num_logprobs (static) > 0 also returns the sampled
     token's logprob and rank and the top num_logprobs, from log_softmax of the
@@ -320,10 +351,10 @@ def sample(
     (structured outputs) is applied first, before penalties, temperature and
     the filters, so logprobs are those of the masked distribution; a
     logit_bias f32 [B, V] is added next (a masked token stays -inf).
-    conditional: how work only some rows need is paid for (module docstring)."""
+    work: which work only some rows need is done, and how (module docstring)."""
     logits = logits.astype(jnp.float32)
     if bitmask is not None:
-        logits = apply_token_bitmask(logits, bitmask, constrained, conditional)
+        logits = apply_token_bitmask(logits, bitmask, constrained, work)
     if logit_bias is not None:  # OpenAI's logit_bias: added to the raw logits, before penalties
         logits = logits + logit_bias
     if prompt_mask is not None or output_counts is not None:
@@ -336,8 +367,8 @@ def sample(
     # The lowest id wins ties.
     greedy_tokens = first_argmax(logits)
     greedy = meta.temperature <= 0.0
-    tokens = _when(conditional, ~jnp.all(greedy),
-                   lambda tokens: jnp.where(greedy, tokens, _draw(logits, meta, conditional)), greedy_tokens)
+    tokens = _when(work, work.draw, ~jnp.all(greedy),
+                   lambda tokens: jnp.where(greedy, tokens, _draw(logits, meta, work)), greedy_tokens)
     if num_logprobs <= 0:
         return SamplerOutput(tokens, None, None, None)
     values, ids, rank = _logprobs(logits, tokens, num_logprobs)
