@@ -142,7 +142,8 @@ def test_device_mask_equals_numpy_application(llm):
 
     runner = llm.engine.runner
     meta = SamplingMetadata.from_params([SamplingParams(temperature=0.0)] * rows, [0] * rows, [0] * rows, rows)
-    tokens = runner._sample(logits, meta, None, False, (bitmask, constrained)).token_ids
+    sampled, _ = runner._sample(logits, meta, None, False, runner._sampler_work([]), (bitmask, constrained))
+    tokens = sampled.token_ids
     np.testing.assert_array_equal(np.asarray(tokens), expected.argmax(axis=-1))
 
 
