@@ -15,7 +15,9 @@ a few rows.
                decode and prefill kernels (attention_backend "pallas", the
                default here); everything else XLA's.
   settings     float32 dots at full precision unless TF32 is asked for
-               (choose_backend), wide default batches.
+               (with_dtype), wide default batches, a small compile grid
+               compiled 8 programs at a time, no lax.cond in the sampler,
+               async scheduling.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ class GpuBackend(XlaBackend):
     compile_threads: ClassVar[int] = 8
     # An XLA conditional on a GPU copies its predicate to the host and waits
     # for it: the host stalls until the step so far has run, so it can queue
-    # nothing ahead, and the step splits into several CUDA graphs. Optional
-    # sampler work is computed always and selected per row instead.
+    # nothing ahead, and the step splits into several CUDA graphs. The host
+    # picks a sample program holding just the work the batch needs instead
+    # (engine/sampler.py, SamplerWork).
     conditional_skips: ClassVar[bool] = False
     # A decode step of a few ms on the device leaves the host's work per step
     # (scheduling, inputs, outputs) exposed unless it overlaps the next.
