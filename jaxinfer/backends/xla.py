@@ -10,6 +10,7 @@ choose_backend), and holds every platform decision, so that the model code
                stacked as loaded, tiled for a CPU kernel, one array per layer)
   layer loop   `run_layers`: how the layers are iterated over that layout
   operations   `linear` / `linears` (every weight scheme, fused projections),
+               `expert_linears` (a MoE's grouped expert matmuls),
                `logits` (the head), `paged_attention` and
                `verification_attention` (prefill and decode over the paged
                pool; the attention_backend option is a choice within the
@@ -38,7 +39,7 @@ import numpy as np
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.paged_attention import (PagedAttentionMetadata, check_attention_backend, paged_cache_attention,
                                              verification_attention)
-from jaxinfer.quant.linear import linear
+from jaxinfer.quant.linear import grouped_linear, linear
 from jaxinfer.utils import powers_of_two
 
 
@@ -169,6 +170,21 @@ class XlaBackend:
         """[linear(x, w) for w in ws]: weights on the same input (a layer's q,
         k and v; gate and up), which a kernel may take in one call."""
         return [self.linear(x, w) for w in ws]
+
+    def expert_linears(self, x, ws: list, expert_ids) -> list:
+        """Rows x [rows, in], each for one expert (expert_ids int32 [rows]) ->
+        [x[r] @ w[expert_ids[r]] for each row r] [rows, out] for each of ws
+        (one layer's experts [experts, in, out], as run_layers hands them):
+        the rows sorted by expert, one jax.lax.ragged_dot per weight, and
+        unsorted (quant/linear.py, grouped_linear). The reference: ragged_dot
+        groups the rows on a TPU; elsewhere XLA expands it into a masked
+        product over every expert, which is why the CPU and GPU backends
+        multiply the selected experts in kernels of their own."""
+        order = jnp.argsort(expert_ids, stable=True)
+        group_sizes = jnp.bincount(expert_ids, length=ws[0].shape[0]).astype(jnp.int32)
+        sorted_rows = x[order]
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        return [grouped_linear(sorted_rows, w, group_sizes)[inverse] for w in ws]
 
     def logits(self, params: dict, hidden) -> jax.Array:
         """Hidden states [..., hidden] -> float32 vocabulary logits: the head

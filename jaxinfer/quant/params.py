@@ -1,7 +1,7 @@
 """Round-to-nearest quantization of a whole params pytree (models/llama.py layout).
 
-The seven per-layer linear weights are quantized with their layer axis (groups
-never cross layers); embeddings, norms and biases stay float. With
+The seven per-layer linear weights (and a MoE's experts and shared expert)
+are quantized with their layer axis (groups never cross layers or experts); embeddings, norms and biases stay float. With
 include_head the output projection is quantized too; for tied embeddings
 that adds a quantized `lm_head` (embed.T), while the gather keeps the float
 table.
@@ -20,6 +20,11 @@ from jaxinfer.quant.schemes import activation_block, quantize
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
 
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# A MoE's linear weights (models/moe.py): the experts, stacked [experts, in,
+# out] per layer, and the shared expert. Its router and the shared expert's
+# sigmoid gate stay float: they are small, and they choose the experts.
+MOE_LINEAR_KEYS = ("expert_gate", "expert_up", "expert_down", "shared_w_gate", "shared_w_up", "shared_w_down")
+QUANTIZED_KEYS = LINEAR_KEYS + MOE_LINEAR_KEYS
 # Schemes whose load-time quantization (loading/params.py) covers the head too,
 # and for tied embeddings replaces the float table (models/llama.py's
 # embed_tokens reads the head's columns). w8a8 never multiplies a float weight,
@@ -60,7 +65,7 @@ def quantize_params(params: dict, scheme: str, group_size: int | None = None, in
         raise ValueError("fp8 is per output channel only; leave group_size unset")
     out = dict(params)
     layers = dict(params["layers"])
-    for key in LINEAR_KEYS:
+    for key in (k for k in QUANTIZED_KEYS if k in layers):
         w, name = layers[key], f"layers/{key}"
         layers[key] = (PerLayer(quantize_weight(x, scheme, group_size, name) for x in w) if isinstance(w, PerLayer)
                        else quantize_weight(w, scheme, group_size, name))
@@ -89,7 +94,7 @@ def with_int8_activations(params: dict) -> dict:
         return dataclasses.replace(w, activation_block=activation_block(w.group_size))
 
     out = dict(params)
-    out["layers"] = {key: mark(w) if key in LINEAR_KEYS else w for key, w in params["layers"].items()}
+    out["layers"] = {key: mark(w) if key in QUANTIZED_KEYS else w for key, w in params["layers"].items()}
     if "lm_head" in out:
         out["lm_head"] = mark(out["lm_head"])
     return out
