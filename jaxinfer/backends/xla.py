@@ -172,19 +172,16 @@ class XlaBackend:
         return [self.linear(x, w) for w in ws]
 
     def expert_linears(self, x, ws: list, expert_ids) -> list:
-        """Rows x [rows, in], each for one expert (expert_ids int32 [rows]) ->
-        [x[r] @ w[expert_ids[r]] for each row r] [rows, out] for each of ws
-        (one layer's experts [experts, in, out], as run_layers hands them):
-        the rows sorted by expert, one jax.lax.ragged_dot per weight, and
-        unsorted (quant/linear.py, grouped_linear). The reference: ragged_dot
-        groups the rows on a TPU; elsewhere XLA expands it into a masked
-        product over every expert, which is why the CPU and GPU backends
-        multiply the selected experts in kernels of their own."""
-        order = jnp.argsort(expert_ids, stable=True)
+        """Rows x [rows, in] sorted by expert (expert_ids int32 [rows],
+        non-decreasing) -> [x[r] @ w[expert_ids[r]] for each row r] [rows,
+        out] for each of ws (one layer's experts [experts, in, out], as
+        run_layers hands them): one jax.lax.ragged_dot per weight over the
+        groups of rows (quant/linear.py, grouped_linear). The reference: a
+        TPU groups the rows in ragged_dot; elsewhere XLA expands it into a
+        masked product with every expert, which is why the CPU and GPU
+        backends multiply the selected experts in kernels of their own."""
         group_sizes = jnp.bincount(expert_ids, length=ws[0].shape[0]).astype(jnp.int32)
-        sorted_rows = x[order]
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-        return [grouped_linear(sorted_rows, w, group_sizes)[inverse] for w in ws]
+        return [grouped_linear(x, w, group_sizes) for w in ws]
 
     def logits(self, params: dict, hidden) -> jax.Array:
         """Hidden states [..., hidden] -> float32 vocabulary logits: the head

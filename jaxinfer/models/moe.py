@@ -12,10 +12,10 @@ and the routed experts, as pure functions over one layer's weights.
 
 (with the leading layer axis in the params, models/llama.py). Each token
 goes through num_experts_per_tok experts, chosen by the router, and only
-those: the expert matmuls are the backend's `expert_linears`, rows grouped
-by expert (a grouped matmul: jax.lax.ragged_dot in the XLA reference,
-native kernels on CPU, a Pallas kernel on GPU), never a pass over every
-expert.
+those: its rows are sorted by expert and the expert matmuls are the
+backend's `expert_linears`, group by group (a grouped matmul:
+jax.lax.ragged_dot in the XLA reference, native kernels on CPU, a Pallas
+kernel on GPU), never a pass over every expert.
 
 Routing is computed in float32 whatever the model's dtype, as every family
 does in transformers: softmax over all experts, the top k, and (Mixtral
@@ -78,14 +78,21 @@ def moe_mlp(p: dict, config: ModelConfig, h, *, backend):
     shape = h.shape
     x = h.reshape(math.prod(shape[:-1]), shape[-1])
     weights, experts = route(router_logits(p, x), k, c.norm_topk_prob)
-    # Row t * k + j is token t's j-th expert: the backend groups the rows by
-    # expert and multiplies each group by its expert alone.
-    rows = jnp.repeat(x, k, axis=0)
+    # Row t * k + j is token t's j-th expert. The rows are sorted by expert
+    # (stably: by token within an expert) once for the layer's three expert
+    # matmuls, which the backend multiplies group by group, each group by its
+    # expert alone; then put back in token order, a gather rather than a
+    # scatter-add so that each token's k results add up in rank order on every
+    # platform.
     expert_ids = experts.reshape(-1)
-    gate, up = backend.expert_linears(rows, [p["expert_gate"], p["expert_up"]], expert_ids)
-    (down,) = backend.expert_linears(jax.nn.silu(gate) * up, [p["expert_down"]], expert_ids)
-    # Weighted in float32, summed over the token's k experts in rank order.
-    out = jnp.sum(down.reshape(-1, k, shape[-1]).astype(jnp.float32) * weights[..., None], axis=1)
+    order = jnp.argsort(expert_ids, stable=True)
+    sorted_ids = expert_ids[order]
+    rows = x[order // k]
+    gate, up = backend.expert_linears(rows, [p["expert_gate"], p["expert_up"]], sorted_ids)
+    (down,) = backend.expert_linears(jax.nn.silu(gate) * up, [p["expert_down"]], sorted_ids)
+    unsorted = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    down = down[unsorted].reshape(-1, k, shape[-1])
+    out = jnp.sum(down.astype(jnp.float32) * weights[..., None], axis=1)  # float32, in rank order
     if c.shared_expert_intermediate_size:
         gate, up = backend.linears(x, [p["shared_w_gate"], p["shared_w_up"]])
         shared = backend.linear(jax.nn.silu(gate) * up, p["shared_w_down"])
