@@ -44,7 +44,8 @@ struct Task {
   const float* x;
   const float* w;  // the run's matrix [in, out]
   float* out;
-  int64_t in, out_features, row_begin, row_end, col, width;
+  int64_t in, out_features, row_begin, row_end, col, width;  // width: the tile's, clipped at the last column
+  int64_t tile;  // the tile's columns before clipping: 256 (one row), 128 (two rows) or 64
 };
 
 #if defined(__AVX512F__)
@@ -115,9 +116,8 @@ void RunTaskPlain(const Task& t) {
 
 void Run(const Task& t) {
 #if defined(__AVX512F__)
-  const int64_t rows = t.row_end - t.row_begin;
-  if (rows == 1 && t.width > 128) return RunTask<16>(t);
-  if (rows == 2 && t.width > 64) return RunTask<8>(t);
+  if (t.tile == 256) return RunTask<16>(t);
+  if (t.tile == 128) return RunTask<8>(t);
   return RunTask<4>(t);
 #else
   RunTaskPlain(t);
@@ -161,7 +161,7 @@ ffi::Error ExpertMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> 
       for (int64_t col = 0; col < out_features; col += width) {
         tasks.push_back(Task{x.typed_data(), w.value().typed_data() + m * in * out_features,
                              out.value()->typed_data(), in, out_features, run_begin[run], run_begin[run + 1], col,
-                             std::min(width, out_features - col)});
+                             std::min(width, out_features - col), width});
       }
     }
   }
