@@ -106,8 +106,25 @@ def moe_tensors(state: dict) -> dict:
     return out
 
 
-def write_gguf(hf_model, path, qtype=gguf.GGMLQuantizationType.F32, arch="llama", tensor_type_override=None):
+def add_placeholder_vocab(writer, vocab_size: int) -> None:
+    """A sentencepiece-style vocabulary of made-up pieces (<unk>, <s>, </s>,
+    the 256 byte pieces, then "▁t{i}"): what llama.cpp needs to load a file
+    at all (scripts/bench_moe.py times these files with llama-bench)."""
+    pieces = (["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+              + [f"\u2581t{i}" for i in range(max(0, vocab_size - 259))])[:vocab_size]
+    types = ([2, 3, 3] + [6] * 256 + [1] * max(0, vocab_size - 259))[:vocab_size]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(pieces)
+    writer.add_token_scores([0.0] * vocab_size)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def write_gguf(hf_model, path, qtype=gguf.GGMLQuantizationType.F32, arch="llama", tensor_type_override=None,
+               vocab=False):
     """tensor_type_override: {gguf tensor name: (numpy array, raw GGML type)} to plant bad tensors.
+    vocab: add a placeholder vocabulary (add_placeholder_vocab).
     A mixture of experts is written as llama.cpp's converter writes one
     (stacked experts, expert_count / expert_used_count, arch from GGUF_ARCHITECTURES)."""
     c = hf_model.config
@@ -134,6 +151,8 @@ def write_gguf(hf_model, path, qtype=gguf.GGMLQuantizationType.F32, arch="llama"
             writer.add_expert_feed_forward_length(c.moe_intermediate_size)
         if getattr(c, "shared_expert_intermediate_size", None):
             writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if vocab:
+        add_placeholder_vocab(writer, c.vocab_size)
     state = moe_tensors({k: v.float().numpy() for k, v in hf_model.state_dict().items()})
     if c.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -90,7 +90,9 @@ def test_quantized_gguf_experts_stay_in_their_blocks(tmp_path, qtype):
     if qtype == Q.Q8_0:  # (4 and 5 bits move this random net's logits by 10-30% RMS)
         exact = hf_logits(hf_model, TOKENS)
         assert np.sqrt(((logits - exact) ** 2).mean() / (exact ** 2).mean()) < 0.1
-        a8 = jaxinfer.load(str(path), progress=False, quantization="gguf-a8").logits(TOKENS)
+        a8_model = jaxinfer.load(str(path), progress=False, quantization="gguf-a8")
+        assert native_calls(a8_model)["quantized"] == 2  # the exact kernel on activations rounded first
+        a8 = a8_model.logits(TOKENS)
         # int8 activation rounding (~0.4% per block), amplified by this random net as Q8_0's own error
         assert np.sqrt(((a8 - logits) ** 2).mean() / (logits ** 2).mean()) < 0.05
 
@@ -154,6 +156,21 @@ def test_every_scheme_quantizes_the_experts(qwen3_moe_dir, scheme, native):
         assert np.sqrt(((logits - int8) ** 2).mean() / (int8 ** 2).mean()) < 0.05
     else:
         assert_logits_close(logits, hf_logits(rtn_image(hf_model, scheme), TOKENS))
+
+
+def test_convert_round_trip(qwen3_moe_dir, tmp_path):
+    """`jaxinfer convert` writes a MoE's int8 experts (and its dense-layer list)
+    to an orbax checkpoint that loads back to the same logits."""
+    from jaxinfer.convert import convert
+
+    _, directory = qwen3_moe_dir
+    convert(directory, tmp_path / "int8", quantize="int8", progress=False, log=lambda *a: None)
+    restored = jaxinfer.load(str(tmp_path / "int8"), progress=False)
+    assert restored.config.dense_layers == (0, 2)
+    assert isinstance(restored.params["layers"]["expert_down"], QuantizedTensor)
+    np.testing.assert_allclose(restored.logits(TOKENS),
+                               jaxinfer.load(directory, progress=False, quantization="int8").logits(TOKENS),
+                               rtol=1e-5, atol=1e-5)
 
 
 # -- LoRA ----------------------------------------------------------------------------------------

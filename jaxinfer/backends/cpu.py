@@ -46,11 +46,10 @@ from jaxinfer.backends.xla import XlaBackend
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.paged_attention import (PagedAttentionMetadata, paged_cache_attention, verification_attention,
                                              write_new_kv)
-from jaxinfer.models.moe import ROUTED_KEYS
 from jaxinfer.native import expert_matmul, matmul, paged_attention
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import linear
-from jaxinfer.quant.params import quantize_weight
+from jaxinfer.quant.params import ROUTED_KEYS, quantize_weight
 from jaxinfer.quant.schemes import int8_blocks
 from jaxinfer.quant.tensor import QuantizedTensor
 
@@ -168,15 +167,20 @@ class CpuBackend(XlaBackend):
     def expert_linears(self, x, ws: list, expert_ids) -> list:
         """The selected experts only, from the stacks in place: float32
         experts through native/expert_matmul.py, int8 / int4 ones through
-        native/matmul.py's expert entry; other forms (bfloat16, fp8, w8a8,
-        int8 activations) the reference's ragged_dot on their layer."""
+        native/matmul.py's expert entry (for "gguf-a8" weights on the
+        activations rounded to their int8 blocks first: the same numbers);
+        other forms (bfloat16, fp8, w8a8) the reference's ragged_dot on
+        their layer."""
         if all(isinstance(w, LayerOf) and w.index is ws[0].index for w in ws):
             stacks = [w.stacked for w in ws]
             if expert_matmul.supports(stacks):
                 ys = expert_matmul.expert_matmuls(x, stacks, ws[0].index, expert_ids)
                 return [y.astype(x.dtype) for y in ys]
-            if all(isinstance(w, QuantizedTensor) for w in stacks) and matmul.supports_experts(stacks):
-                ys = matmul.quantized_expert_matmuls(x, stacks, ws[0].index, expert_ids)
+            if (all(isinstance(w, QuantizedTensor) for w in stacks) and matmul.supports_experts(stacks)
+                    and len({w.activation_block for w in stacks}) == 1):
+                block = stacks[0].activation_block
+                xq = int8_blocks(x, block) if block else x
+                ys = matmul.quantized_expert_matmuls(xq, stacks, ws[0].index, expert_ids)
                 return [y.astype(x.dtype) for y in ys]
         return super().expert_linears(x, [w.layer() if isinstance(w, LayerOf) else w for w in ws], expert_ids)
 

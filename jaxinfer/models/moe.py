@@ -33,9 +33,6 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 
-ROUTED_KEYS = ("expert_gate", "expert_up", "expert_down")
-SHARED_KEYS = ("shared_w_gate", "shared_w_up", "shared_w_down")
-
 
 def moe_param_shapes(config: ModelConfig) -> dict:
     """The per-layer MoE weights' shapes, with the layer axis (empty for a dense model)."""
@@ -64,11 +61,11 @@ def route(router_logits, num_experts_per_tok: int, norm_topk_prob: bool):
     return weights, experts.astype(jnp.int32)
 
 
-def router_logits(p: dict, x):
-    """x [T, hidden] -> float32 [T, experts]. In float32 from the inputs on,
-    so the choice of experts is as exact as the model's activations allow."""
-    return jnp.matmul(x.astype(jnp.float32), p["router"].astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+def gate_logits(x, w):
+    """x [T, hidden] @ a float gate w [hidden, n] -> float32 [T, n] (the
+    router's logits, or the shared expert's gate). In float32 from the inputs
+    on, so the choice of experts is as exact as the model's activations allow."""
+    return jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 def moe_mlp(p: dict, config: ModelConfig, h, *, backend):
@@ -77,7 +74,7 @@ def moe_mlp(p: dict, config: ModelConfig, h, *, backend):
     k = c.num_experts_per_tok
     shape = h.shape
     x = h.reshape(math.prod(shape[:-1]), shape[-1])
-    weights, experts = route(router_logits(p, x), k, c.norm_topk_prob)
+    weights, experts = route(gate_logits(x, p["router"]), k, c.norm_topk_prob)
     # Row t * k + j is token t's j-th expert. The rows are sorted by expert
     # (stably: by token within an expert) once for the layer's three expert
     # matmuls, which the backend multiplies group by group, each group by its
@@ -96,6 +93,6 @@ def moe_mlp(p: dict, config: ModelConfig, h, *, backend):
     if c.shared_expert_intermediate_size:
         gate, up = backend.linears(x, [p["shared_w_gate"], p["shared_w_up"]])
         shared = backend.linear(jax.nn.silu(gate) * up, p["shared_w_down"])
-        scale = jax.nn.sigmoid(router_logits({"router": p["shared_expert_gate"]}, x))
+        scale = jax.nn.sigmoid(gate_logits(x, p["shared_expert_gate"]))
         out = out + scale * shared.astype(jnp.float32)
     return out.astype(h.dtype).reshape(shape)

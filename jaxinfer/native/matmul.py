@@ -118,7 +118,7 @@ def tileable(w: QuantizedTensor) -> bool:
 
 def tileable_experts(w: QuantizedTensor) -> bool:
     """tileable() for a MoE's stack of experts [layers, experts, in, out]."""
-    return (cpu_has("avx512f") and not w.tile and not w.activation_block and w.data.ndim == 4
+    return (cpu_has("avx512f") and not w.tile and w.data.ndim == 4
             and w.out_features % TILE == 0 and supports_experts([w]))
 
 
@@ -153,9 +153,10 @@ def quantized_matmuls(x, ws: list[QuantizedTensor], layer_index=0) -> list[jax.A
 
 def supports_experts(ws: list[QuantizedTensor]) -> bool:
     """Whether quantized_expert_matmuls serves these stacks of experts
-    [layers, experts, in, out] (any number of rows)."""
+    [layers, experts, in, out] (any number of rows; a weight with an
+    activation block multiplies activations its caller rounded first)."""
     return (jax.default_backend() == "cpu" and all(
-        w.scheme in ("int8", "int4") and w.scales.dtype == jnp.float32 and not w.activation_block
+        w.scheme in ("int8", "int4") and w.scales.dtype == jnp.float32
         and w.data.ndim - (1 if w.tile else 0) == 4 and w.tile in (0, TILE) and (not w.tile or cpu_has("avx512f"))
         and (w.scheme == "int8" or w.group_size % 2 == 0) for w in ws) and _share_attributes(ws)
         and experts_available())
