@@ -14,7 +14,7 @@ LLM(model), every bucket compiled and warm, then ms per decode step of B
 different prompts: (N greedy steps - 1 step) / (N - 1), best of 2; medians
 over --rounds, the configurations interleaved round by round so the VM's
 drift hits them alike. With --llama-bench, llama.cpp's llama-bench runs the
-same GGUF files (tg N at batch 1, --threads 2) as the CPU peer.
+same GGUF files (tg N at batch 1, --threads from --llama-threads) as the CPU peer.
 
     python scripts/bench_moe.py --gguf Q8_0 --batches 1,8 --rounds 3 --llama-bench /path/to/llama-bench
 """
@@ -108,9 +108,10 @@ def measure(path: Path, batch: int, steps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def llama_bench(binary: str, path: Path, steps: int) -> float:
-    """llama.cpp's ms per token generating `steps` tokens at batch 1 (2 threads)."""
-    out = subprocess.run([binary, "-m", str(path), "-p", "0", "-n", str(steps), "-t", "2", "-r", "3", "-o", "json"],
+def llama_bench(binary: str, path: Path, steps: int, threads: int) -> float:
+    """llama.cpp's ms per token generating `steps` tokens at batch 1."""
+    out = subprocess.run([binary, "-m", str(path), "-p", "0", "-n", str(steps), "-t", str(threads), "-r", "3",
+                          "-o", "json"],
                          capture_output=True, text=True, check=True)
     return 1e3 / json.loads(out.stdout)[0]["avg_ts"]
 
@@ -131,6 +132,7 @@ def main():
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--llama-bench", default=None, help="a llama.cpp llama-bench binary: time the GGUF files")
+    parser.add_argument("--llama-threads", default="2", help="llama-bench --threads values, e.g. 1,2")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     workdir = Path(args.workdir)
@@ -143,10 +145,11 @@ def main():
             for name, path in paths.items():
                 results.setdefault(f"{name} b{batch}", []).append(measure(path, batch, args.steps)["ms"])
         if args.llama_bench:
-            for name, path in paths.items():
-                if path.suffix == ".gguf":
-                    results.setdefault(f"llama.cpp {name} b1", []).append(llama_bench(args.llama_bench, path,
-                                                                                       args.steps))
+            for threads in (int(t) for t in args.llama_threads.split(",")):
+                for name, path in paths.items():
+                    if path.suffix == ".gguf":
+                        results.setdefault(f"llama.cpp t{threads} {name} b1", []).append(
+                            llama_bench(args.llama_bench, path, args.steps, threads))
     summary = {key: statistics.median(values) for key, values in results.items()}
     for key, ms in summary.items():
         print(f"{key:32s} {ms:8.2f} ms/step   runs {['%.2f' % v for v in results[key]]}")
