@@ -253,6 +253,9 @@ def _awq_fold(params, config: ModelConfig, batches, group_size: int, grid_size: 
     {linear key: clipping ratios [L, in // group, out]}, empty without clip)."""
     if grid_size < 1:
         raise ValueError(f"grid_size must be >= 1, got {grid_size}")
+    if config.num_experts:
+        raise ValueError("AWQ calibration does not support mixtures of experts yet (its scale search runs the "
+                         "dense MLP); quantize a MoE with int4 (round to nearest) instead")
     for key in LINEAR_KEYS:
         awq_group_size(params["layers"][key].shape[-2], group_size)  # validates early
     tokens, valid = _pad_batches(batches, config.vocab_size)

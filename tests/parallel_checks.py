@@ -104,7 +104,8 @@ def _parts(path, leaf, spec):
 
 
 # Replicated by declaration: the norms, and per-channel scales (offsets) of row-parallel weights.
-DECLARED_REPLICATED = re.compile(r"^(final_norm|layers/(attn_norm|mlp_norm|q_norm|k_norm)|layers/(wo|w_down)/(scales|offsets))$")
+DECLARED_REPLICATED = re.compile(r"^(final_norm|layers/(attn_norm|mlp_norm|q_norm|k_norm|router|shared_expert_gate)"
+                                 r"|layers/(wo|w_down|shared_w_down)/(scales|offsets))$")
 
 
 def check_param_shardings(params, mesh) -> int:
@@ -142,7 +143,7 @@ def check_kv_sharding(llm, tp):
             assert shard.data.shape[3] == config.num_kv_heads // tp
 
 
-def tp_group(backend: str, quantization: str | None, variant="llama_tp", sizes=(2, 4, 8)):
+def tp_group(backend: str, quantization: str | None, variant="llama_tp", sizes=(2, 4, 8), collectives=None):
     directory = save_hf_model(make_hf_model(variant, seed=7), tempfile.mkdtemp())
     prompts, max_tokens = workload()
     single = load(directory, progress=False, quantization=quantization)
@@ -174,7 +175,7 @@ def tp_group(backend: str, quantization: str | None, variant="llama_tp", sizes=(
             lp_err = max(lp_err, float(np.abs(np.array(got) - np.array(lps)).max()))
         assert lp_err < 1e-4, lp_err
         if tp == 4:
-            check_collectives(llm)
+            (collectives or check_collectives)(llm)
         log(f"{variant} {backend} {quantization or 'float'} TP{tp}: kv_heads {llm.model.config.num_kv_heads}, "
             f"{num_arrays} arrays as declared, tokens equal, max |logits diff| {logits_err:.2e}, "
             f"max |logprob diff| {lp_err:.2e}, startup {startup:.1f}s")
@@ -215,6 +216,32 @@ def check_collectives(llm):
         assert len(gathers) == 1 and re.match(rf"f32\[{n_seq},{VOCAB}\]", gathers[0]), found
         assert not others, found
         log(f"  {'decode' if decode else 'mixed'} step collectives: {found}")
+
+
+def check_moe_collectives(llm):
+    """A MoE's compiled step: all-reduces of activations only (the experts'
+    shares summed where a dense model sums w_down's), no gather of a weight
+    or the KV pool: the all-gathers are the logits rows and the experts'
+    group sizes (one int32 per expert)."""
+    hidden, num_experts = llm.model.config.hidden_size, llm.model.config.num_experts
+    for decode in (True, False):
+        found, n_tok, n_seq = collectives_of(llm, decode)
+        rows = n_tok * llm.model.config.num_experts_per_tok
+        for op, t in found:
+            if op == "all-reduce":
+                assert re.match(rf"f32\[((1,)?{n_tok},{hidden}|{rows},\d+)\]", t), found
+            else:
+                assert op == "all-gather" and re.match(rf"(f32\[{n_seq},{VOCAB}\]|s32\[{num_experts}\])", t), found
+        log(f"  {'decode' if decode else 'mixed'} step collectives: {found}")
+
+
+def moe_group():
+    """Mixtures of experts at TP 2 / 4 / 8: experts split whole over the
+    devices (expert parallelism) where their count divides, else each expert
+    split on its hidden size, composed with the attention's tensor
+    parallelism; the single-device model's logits and greedy tokens."""
+    tp_group("xla", None, variant="mixtral_tp", collectives=check_moe_collectives)
+    tp_group("xla", "int8", variant="qwen2_moe_tp", sizes=(2, 8), collectives=check_moe_collectives)
 
 
 def specs_group():
@@ -443,6 +470,7 @@ GROUPS = {
     "dp": dp_group,
     "lora": lora_group,
     "multihost": multihost_group,
+    "moe": moe_group,
 }
 
 if __name__ == "__main__":

@@ -66,6 +66,14 @@ def test_lora_tensor_parallel_equals_single_device():
     assert "lora: ok" in out
 
 
+def test_expert_parallel_equals_single_device():
+    """MoE models at TP 2 / 4 / 8: experts split whole over the devices, or
+    each split on its hidden size, beside the attention's TP; logits,
+    greedy tokens and logprobs equal the single-device model's."""
+    out = _run_checks("moe", devices=8)
+    assert "moe: ok" in out
+
+
 def test_data_parallel_2x2_equals_single_device():
     out = _run_checks("dp", devices=4)
     assert "dp: ok" in out

@@ -54,7 +54,31 @@ VARIANTS = {
     # biases on q/k/v (repeated with the KV heads) and tied embeddings
     "qwen2_tp": ("Qwen2Config", "Qwen2ForCausalLM",
                  dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)),
+    # Mixtures of experts (models/moe.py): several expert counts, top-k 1 / 2 /
+    # 8, Qwen2-MoE's shared expert, dense and sparse layers mixed.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral_top1": ("MixtralConfig", "MixtralForCausalLM",
+                     dict(num_local_experts=3, num_experts_per_tok=1, sliding_window=16)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=96, num_hidden_layers=3, mlp_only_layers=[2],
+                       tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=16, num_experts_per_tok=8, moe_intermediate_size=48, norm_topk_prob=True,
+                       head_dim=32, decoder_sparse_step=2, num_hidden_layers=4)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2)),
+    # Expert and tensor parallelism (tests/parallel_checks.py): 4 experts split
+    # whole over 2 and 4 devices, each split on its hidden size over 8; 8
+    # experts (whole at 2 / 4 / 8) beside a shared expert and a dense layer.
+    "mixtral_tp": ("MixtralConfig", "MixtralForCausalLM",
+                   dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                        num_experts_per_tok=2)),
+    "qwen2_moe_tp": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                     dict(num_attention_heads=8, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, shared_expert_intermediate_size=96, num_hidden_layers=3,
+                          mlp_only_layers=[1], tie_word_embeddings=True)),
 }
+MOE_VARIANTS = ("mixtral", "mixtral_top1", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 def make_hf_model(variant: str, seed: int = 0):

@@ -9,13 +9,18 @@ serve, the plain XLA path (backends/xla.py) everywhere else.
                file's blocks for the kernel at a few rows (few_row_head).
                The quantized layer weights the exact kernel multiplies are
                stored in its tiles of columns (quant/tensor.py, `tile`).
-  layer loop   lax.scan over the stacked layers; quantized weights reach
-               linear() as LayerOf, the stack plus the layer index, so a
-               kernel reads its layer in place (a slice handed to a custom
-               call would be copied by XLA first).
+  layer loop   lax.scan over the stacked layers; quantized weights (and a
+               MoE's experts, float too) reach linear() as LayerOf, the
+               stack plus the layer index, so a kernel reads its layer in
+               place (a slice handed to a custom call would be copied by
+               XLA first; a scan's slice of the experts would copy all of
+               them where a token reads a few).
   operations   native/matmul.py for quantized layer weights (the exact
                kernel up to max_rows() rows, q, k and v in one call; the
-               int8-activation kernel for "gguf-a8" weights), the head
+               int8-activation kernel for "gguf-a8" weights), a MoE's
+               experts through native/expert_matmul.py (float32) and
+               native/matmul.py's expert entry (int8 / int4), reading only
+               the selected experts, the head
                through the same kernels where they pay, and
                native/paged_attention.py for attention_backend="xla".
   settings     glibc keeps freed host memory (backends/host_memory.py); the
@@ -41,10 +46,10 @@ from jaxinfer.backends.xla import XlaBackend
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.paged_attention import (PagedAttentionMetadata, paged_cache_attention, verification_attention,
                                              write_new_kv)
-from jaxinfer.native import matmul, paged_attention
+from jaxinfer.native import expert_matmul, matmul, paged_attention
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import linear
-from jaxinfer.quant.params import quantize_weight
+from jaxinfer.quant.params import ROUTED_KEYS, quantize_weight
 from jaxinfer.quant.schemes import int8_blocks
 from jaxinfer.quant.tensor import QuantizedTensor
 
@@ -121,7 +126,7 @@ class CpuBackend(XlaBackend):
     def run_layers(self, body, carry, layers: dict, num_layers: int):
         if not self.native:
             return super().run_layers(body, carry, layers, num_layers)
-        stacked = {k: w for k, w in layers.items() if isinstance(w, QuantizedTensor)}
+        stacked = {k: w for k, w in layers.items() if isinstance(w, QuantizedTensor) or k in ROUTED_KEYS}
         sliced = {k: w for k, w in layers.items() if k not in stacked}
 
         def with_stacked(carry, p, layer_index):
@@ -157,6 +162,26 @@ class CpuBackend(XlaBackend):
             ys = matmul.quantized_matmuls(x.reshape(rows, -1), [w.stacked for w in ws], ws[0].index)
             return [y.astype(x.dtype).reshape(*x.shape[:-1], w.stacked.out_features) for y, w in zip(ys, ws)]
         return [self.linear(x, w) for w in ws]
+
+    def expert_linears(self, x, ws: list, expert_ids) -> list:
+        """The selected experts only, from the stacks in place: float32
+        experts through native/expert_matmul.py, int8 / int4 ones through
+        native/matmul.py's expert entry (for "gguf-a8" weights on the
+        activations rounded to their int8 blocks first: the same numbers);
+        other forms (bfloat16, fp8, w8a8) the reference's ragged_dot on
+        their layer."""
+        if all(isinstance(w, LayerOf) and w.index is ws[0].index for w in ws):
+            stacks = [w.stacked for w in ws]
+            if expert_matmul.supports(stacks):
+                ys = expert_matmul.expert_matmuls(x, stacks, ws[0].index, expert_ids)
+                return [y.astype(x.dtype) for y in ys]
+            if (all(isinstance(w, QuantizedTensor) for w in stacks) and matmul.supports_experts(stacks)
+                    and len({w.activation_block for w in stacks}) == 1):
+                block = stacks[0].activation_block
+                xq = int8_blocks(x, block) if block else x
+                ys = matmul.quantized_expert_matmuls(xq, stacks, ws[0].index, expert_ids)
+                return [y.astype(x.dtype) for y in ys]
+        return super().expert_linears(x, [w.layer() if isinstance(w, LayerOf) else w for w in ws], expert_ids)
 
     def logits(self, params: dict, hidden) -> jax.Array:
         """A tied GGUF head's own blocks (few_row_head) up to
@@ -239,8 +264,11 @@ class CpuBackend(XlaBackend):
 
 
 def _tiled(w):
-    """w in the exact kernel's tiles where the kernel multiplies it (matmul.tileable), else as it is."""
-    return w.tiled(matmul.TILE) if isinstance(w, QuantizedTensor) and matmul.tileable(w) else w
+    """w in the exact kernel's tiles where the kernel multiplies it (matmul.tileable, and a MoE's
+    experts: tileable_experts), else as it is."""
+    if isinstance(w, QuantizedTensor) and (matmul.tileable(w) or matmul.tileable_experts(w)):
+        return w.tiled(matmul.TILE)
+    return w
 
 
 def _in_place(head: QuantizedTensor) -> LayerOf:

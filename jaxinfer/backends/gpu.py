@@ -11,7 +11,9 @@ a few rows.
   layer loop   a Python loop over the layers (one traced body per layer:
                more to compile than a scan, each weight read once in place).
   operations   quantized weights through pallas_kernels/quantized_matmul.py
-               up to PALLAS_MAX_ROWS rows; attention through the Pallas
+               up to PALLAS_MAX_ROWS rows; a MoE's float experts through
+               pallas_kernels/expert_matmul.py at decode sizes (each row
+               reads its own expert only; XLA's ragged_dot reads them all); attention through the Pallas
                decode and prefill kernels (attention_backend "pallas", the
                default here); everything else XLA's.
   settings     float32 dots at full precision unless TF32 is asked for
@@ -28,6 +30,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.backends.xla import XlaBackend
 from jaxinfer.quant.layer_weights import PerLayer
@@ -96,8 +99,18 @@ class GpuBackend(XlaBackend):
             for i in range(num_layers):
                 p = {k: w[i] if isinstance(w, PerLayer) else jax.tree.map(lambda a: a[i], w)
                      for k, w in layers.items()}
-                carry = body(carry, p, jnp.int32(i))
+                # A concrete index (numpy, not traced): the body may choose by
+                # it while tracing (a MoE's dense or sparse layer, models/llama.py).
+                carry = body(carry, p, np.int32(i))
         return carry
+
+    def expert_linears(self, x, ws: list, expert_ids) -> list:
+        from pallas_kernels import expert_matmul
+
+        if all(expert_matmul.supports(w, x.shape[0]) for w in ws):
+            attention_interpret = self.attention.endswith("_interpret")  # the kernels' CPU test mode
+            return [expert_matmul.expert_matmul(x, w, expert_ids, interpret=attention_interpret) for w in ws]
+        return super().expert_linears(x, ws, expert_ids)
 
     def linear(self, x, w):
         rows = math.prod(x.shape[:-1])

@@ -10,6 +10,7 @@ choose_backend), and holds every platform decision, so that the model code
                stacked as loaded, tiled for a CPU kernel, one array per layer)
   layer loop   `run_layers`: how the layers are iterated over that layout
   operations   `linear` / `linears` (every weight scheme, fused projections),
+               `expert_linears` (a MoE's grouped expert matmuls),
                `logits` (the head), `paged_attention` and
                `verification_attention` (prefill and decode over the paged
                pool; the attention_backend option is a choice within the
@@ -38,7 +39,7 @@ import numpy as np
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.paged_attention import (PagedAttentionMetadata, check_attention_backend, paged_cache_attention,
                                              verification_attention)
-from jaxinfer.quant.linear import linear
+from jaxinfer.quant.linear import grouped_linear, linear
 from jaxinfer.utils import powers_of_two
 
 
@@ -168,6 +169,18 @@ class XlaBackend:
         """[linear(x, w) for w in ws]: weights on the same input (a layer's q,
         k and v; gate and up), which a kernel may take in one call."""
         return [self.linear(x, w) for w in ws]
+
+    def expert_linears(self, x, ws: list, expert_ids) -> list:
+        """Rows x [rows, in] sorted by expert (expert_ids int32 [rows],
+        non-decreasing) -> [x[r] @ w[expert_ids[r]] for each row r] [rows,
+        out] for each of ws (one layer's experts [experts, in, out], as
+        run_layers hands them): one jax.lax.ragged_dot per weight over the
+        groups of rows (quant/linear.py, grouped_linear). The reference: a
+        TPU groups the rows in ragged_dot; elsewhere XLA expands it into a
+        masked product with every expert, which is why the CPU and GPU
+        backends multiply the selected experts in kernels of their own."""
+        group_sizes = jnp.bincount(expert_ids, length=ws[0].shape[0]).astype(jnp.int32)
+        return [grouped_linear(x, w, group_sizes) for w in ws]
 
     def logits(self, params: dict, hidden) -> jax.Array:
         """Hidden states [..., hidden] -> float32 vocabulary logits: the head

@@ -73,6 +73,10 @@ def open_checkpoint(model: str | Path | None):
 
     config = ModelConfig.from_hf_file(path / "config.json")
     source = SafetensorsCheckpoint(path)
+    if config.num_experts:
+        from jaxinfer.loading.experts import ExpertTensors
+
+        source = ExpertTensors(source, config.num_experts)
     return config, source, _hf_tokenizer(path), str(path)
 
 

@@ -20,8 +20,14 @@ from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.loading.gguf_file import GGUFFile
 from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
 
-# GGUF `general.architecture` -> ours. Mistral GGUFs say "llama".
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF `general.architecture` -> ours. Mistral GGUFs say "llama", and so do
+# Mixtral's (with {arch}.expert_count set).
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
+                  "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# Whether llama.cpp renormalises a family's top-k routing weights (its graph
+# builders' norm_w, fixed per architecture; {arch}.expert_weights_norm,
+# where a file sets it, says so explicitly).
+_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 
 # Tensor types we dequantize with gguf.quants (the ones the issue names plus the
 # other classic and k-quant block formats the package implements in numpy).
@@ -55,6 +61,16 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # A MoE's: the router, the experts stacked [experts, out, in] (the names
+    # loading/experts.py gives a safetensors checkpoint's), the shared expert.
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",  # [hidden] in the file, HF's [1, hidden]
 }
 
 
@@ -201,8 +217,30 @@ def config_from_gguf(reader: GGUFFile, path) -> ModelConfig:
         len(tokens) if tokens is not None else int(embed.shape[-1]) if embed is not None else None
     )
     sliding_window = reader.fields.get(f"{arch}.attention.sliding_window")
+    architecture = _ARCHITECTURES[arch]
+    num_experts = int(reader.fields.get(f"{arch}.expert_count") or 0)
+    moe = {}
+    if num_experts:
+        architecture = "mixtral" if architecture == "llama" else architecture
+        if architecture not in _NORM_TOPK:
+            raise UnsupportedModelError(f"{path}: {arch} with experts is not supported")
+        num_layers = int(meta("block_count"))
+        q_norm = next((t for t in reader.tensors if t.name == "blk.0.attn_q_norm.weight"), None)
+        moe = dict(
+            num_experts=num_experts,
+            num_experts_per_tok=int(meta("expert_used_count")),
+            moe_intermediate_size=int(reader.fields.get(f"{arch}.expert_feed_forward_length")
+                                      or meta("feed_forward_length")),
+            norm_topk_prob=bool(reader.fields.get(f"{arch}.expert_weights_norm", _NORM_TOPK[architecture])),
+            shared_expert_intermediate_size=int(reader.fields.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+            # Layers without a router keep a dense MLP.
+            dense_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names),
+            # OLMoE's q norm spans the whole projection, not one head.
+            qk_norm_per_head=q_norm is None or int(q_norm.shape[0]) == int(
+                meta("attention.key_length", hidden // int(meta("attention.head_count")))),
+        )
     return ModelConfig(
-        architecture=_ARCHITECTURES[arch],
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -218,6 +256,7 @@ def config_from_gguf(reader: GGUFFile, path) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=int(sliding_window) if sliding_window else None,
+        **moe,
     )
 
 
@@ -247,9 +286,15 @@ class GGUFTensors:
         leaves), or None when its GGUF type has no direct form."""
         tensor = self._tensors[name]
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
-        if qtype not in DIRECT_TYPES or len(tensor.shape) != 2:
+        if qtype not in DIRECT_TYPES or len(tensor.shape) not in (2, 3):
             return None
-        in_dim, out_dim = (int(d) for d in tensor.shape)  # ggml lists the fastest dim first
+        in_dim, out_dim = (int(d) for d in tensor.shape[:2])  # ggml lists the fastest dim first
+        if len(tensor.shape) == 3:  # a MoE's experts [experts, out, in]: each expert's blocks, stacked
+            experts = [blocks_to_quantized(raw, qtype, out_dim, in_dim) for raw in tensor.data]
+            first = experts[0]
+            return QuantizedTensor(np.stack([e.data for e in experts]), np.stack([e.scales for e in experts]),
+                                   None if first.offsets is None else np.stack([e.offsets for e in experts]),
+                                   first.scheme, first.group_size)
         return blocks_to_quantized(tensor.data, qtype, out_dim, in_dim, self._unpermute_heads(name))
 
     def get(self, name: str) -> np.ndarray:
@@ -263,6 +308,8 @@ class GGUFTensors:
         # tensor.shape lists ggml dims fastest-first; numpy wants them reversed.
         shape = tuple(int(d) for d in reversed(tensor.shape))
         array = gguf.quants.dequantize(tensor.data, qtype).reshape(shape)
+        if name.endswith("shared_expert_gate.weight") and array.ndim == 1:
+            array = array[None]  # llama.cpp stores HF's [1, hidden] as [hidden]
         heads = self._unpermute_heads(name)
         return array if heads is None else unpermute_rows(array, heads)
 

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.quant.params import LINEAR_KEYS
+from jaxinfer.quant.params import QUANTIZED_KEYS
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
 
 FORMAT = "jaxinfer-orbax"
@@ -46,7 +46,7 @@ PARAMS_DIR = "params"
 _PARTS = ("data", "scales", "offsets")
 _PART_DTYPES = {"int8": "int8", "int4": "uint8", "fp8": "float8_e4m3fn", "w8a8": "int8"}
 _HASH_CHUNK = 16 << 20
-QUANTIZABLE = (*(f"layers/{key}" for key in LINEAR_KEYS), "lm_head")
+QUANTIZABLE = (*(f"layers/{key}" for key in QUANTIZED_KEYS), "lm_head")
 
 
 def is_orbax_checkpoint(path) -> bool:

@@ -44,8 +44,9 @@ from jaxinfer.backends import XlaBackend
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.models.llama import param_shapes
+from jaxinfer.models.moe import moe_param_shapes
 from jaxinfer.parallel.mesh import tensor_parallel_size
-from jaxinfer.quant.params import HEAD_SCHEMES, LINEAR_KEYS, quantize_weight, with_int8_activations
+from jaxinfer.quant.params import HEAD_SCHEMES, QUANTIZED_KEYS, quantize_weight, with_int8_activations
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor, as_int8_groups
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,19 @@ _LAYER_TENSORS = {
     "w_gate": ("mlp.gate_proj.weight", True),
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
+    # A MoE's (models/moe.py): experts stacked [experts, out, in] per layer
+    # (loading/experts.py gives every checkpoint's layout these names);
+    # "transpose" swaps the last two axes.
+    "router": ("mlp.gate.weight", True),
+    "expert_gate": ("mlp.experts.gate_proj.weight", True),
+    "expert_up": ("mlp.experts.up_proj.weight", True),
+    "expert_down": ("mlp.experts.down_proj.weight", True),
+    "shared_w_gate": ("mlp.shared_expert.gate_proj.weight", True),
+    "shared_w_up": ("mlp.shared_expert.up_proj.weight", True),
+    "shared_w_down": ("mlp.shared_expert.down_proj.weight", True),
+    "shared_expert_gate": ("mlp.shared_expert_gate.weight", True),
 }
+_DENSE_MLP_KEYS = ("w_gate", "w_up", "w_down")
 _GLOBAL_TENSORS = {
     "embed": ("model.embed_tokens.weight", False),
     "final_norm": ("model.norm.weight", False),
@@ -103,10 +116,16 @@ def resolve_dtype(dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
+def _flip(shape) -> tuple:
+    """A shape with its last two axes swapped (HF [..., out, in] <-> ours [..., in, out])."""
+    shape = tuple(shape)
+    return shape[:-2] + shape[-2:][::-1]
+
+
 def _check_shape(source: TensorSource, name: str, shape, transpose: bool, expected_shape: tuple) -> None:
     """shape: in params orientation; the message speaks the checkpoint's (HF) orientation."""
     if tuple(shape) != tuple(expected_shape):
-        flip = (lambda s: tuple(s)[::-1]) if transpose else tuple
+        flip = _flip if transpose else tuple
         raise CheckpointError(
             f"tensor {name} in {source.description} has shape {flip(shape)}, but the config implies {flip(expected_shape)}"
         )
@@ -195,8 +214,8 @@ def _get(source: TensorSource, name: str, transpose: bool, expected_shape: tuple
     if name not in source.names():
         raise CheckpointError(f"{source.description} lacks tensor {name}")
     array = source.get(name)
-    _check_shape(source, name, array.shape[::-1] if transpose else array.shape, transpose, expected_shape)
-    return array.T if transpose else array
+    _check_shape(source, name, _flip(array.shape) if transpose else array.shape, transpose, expected_shape)
+    return np.swapaxes(array, -1, -2) if transpose else array
 
 
 def _read(source: TensorSource, name: str, transpose: bool, expected_shape: tuple, dtype,
@@ -208,12 +227,12 @@ def _read(source: TensorSource, name: str, transpose: bool, expected_shape: tupl
             # file (a memory-mapped tensor is copied, not rearranged) and are
             # transposed there: numpy's transposing copy ran at ~0.1 GB/s on
             # one host core, most of an 8B model's load.
-            return _transposed(jax.device_put(np.ascontiguousarray(array.T, dtype=dtype)))
+            return _swap_last_axes(jax.device_put(np.ascontiguousarray(np.swapaxes(array, -1, -2), dtype=dtype)))
         return jax.device_put(np.ascontiguousarray(array, dtype=dtype))
     return placement.put(path, array, dtype, layer)
 
 
-_transposed = jax.jit(jnp.transpose)
+_swap_last_axes = jax.jit(lambda a: jnp.swapaxes(a, -1, -2))  # a 2-D weight or a MoE's [experts, out, in] stack
 
 
 def _read_direct(source: TensorSource, name: str, expected_shape: tuple, placement: _Placement | None = None,
@@ -249,6 +268,23 @@ def _stack(per_layer: list):
 
 def _kind(w: QuantizedTensor):
     return w.scheme, w.group_size, w.offsets is None
+
+
+def _stored_layers(config: ModelConfig, key: str) -> range | tuple:
+    """The layers whose checkpoint holds layer weight `key`: a MoE's dense
+    MLP only in its dense layers, its experts only in the sparse ones. The
+    other layers get zeros (models/llama.py: a model mixing both kinds holds
+    both for every layer)."""
+    if config.num_experts and key in _DENSE_MLP_KEYS:
+        return config.dense_layers
+    if key in moe_param_shapes(config):
+        return config.sparse_layers
+    return range(config.num_layers)
+
+
+def _zeros_like(w):
+    """A layer of zeros in the form of w (an array or a QuantizedTensor, on w's devices)."""
+    return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), w)
 
 
 def build_params(
@@ -291,9 +327,10 @@ def build_params(
     layers = {}
     for key, shape in shapes["layers"].items():
         suffix, transpose = _LAYER_TENSORS[key]
-        names = [f"model.layers.{i}.{suffix}" for i in range(config.num_layers)]
+        stored = _stored_layers(config, key)
+        names = [f"model.layers.{i}.{suffix}" for i in stored]
         per_layer = None
-        if key in LINEAR_KEYS and quantization is not None:
+        if key in QUANTIZED_KEYS and quantization is not None:
             per_layer = [_read_quantized(source, name, shape[1:], quantization, placement, f"layers/{key}")
                          for name in names]
             kinds = {None if w is None else _kind(w) for w in per_layer}
@@ -314,6 +351,9 @@ def build_params(
         if per_layer is None:
             per_layer = [_read(source, name, transpose, shape[1:], dtype, placement, f"layers/{key}", layer=True)
                          for name in names]
+        if len(stored) < config.num_layers:
+            read = dict(zip(stored, per_layer))
+            per_layer = [read[i] if i in read else _zeros_like(per_layer[0]) for i in range(config.num_layers)]
         bar.update(config.num_layers)
         layers[key] = _stack(per_layer) if placement is None else placement.stack(f"layers/{key}", per_layer)
         del per_layer  # free the unstacked copies before the next weight

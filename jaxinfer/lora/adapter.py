@@ -24,7 +24,10 @@ Refused, with an AdapterError naming the problem: DoRA (`use_dora`),
 "none", LoRA on any other module (embeddings, lm_head), a rank above
 max_lora_rank, shapes that do not match the base model, and
 `adapter_model.bin` (a pickle: loading one runs arbitrary code, so we never
-unpickle; convert it to safetensors first).
+unpickle; convert it to safetensors first). A mixture of experts serves
+adapters on its attention projections only: LoRA on its experts, shared
+expert or dense MLPs is refused (their weights are grouped per expert,
+which the per-row adapter term of models/lora.py does not follow).
 """
 
 from __future__ import annotations
@@ -72,8 +75,10 @@ def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     c = config
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     h, f = c.hidden_size, c.intermediate_size
-    return {"wq": (h, q_dim), "wk": (h, kv_dim), "wv": (h, kv_dim), "wo": (q_dim, h),
-            "w_gate": (h, f), "w_up": (h, f), "w_down": (f, h)}
+    shapes = {"wq": (h, q_dim), "wk": (h, kv_dim), "wv": (h, kv_dim), "wo": (q_dim, h)}
+    if not c.num_experts:  # a MoE: the attention only (see the module docstring)
+        shapes.update({"w_gate": (h, f), "w_up": (h, f), "w_down": (f, h)})
+    return shapes
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -136,6 +141,10 @@ def load_adapter(name: str, lora_int_id: int, path, config: ModelConfig, max_lor
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     modules: dict[tuple[int, str], str] = {}
     for tensor_name in names:
+        if config.num_experts and ".mlp." in tensor_name:
+            raise AdapterError(f"LoRA adapter {name!r}: tensor {tensor_name}: LoRA on the MLP or experts of a "
+                               "mixture of experts is not supported; adapt its attention projections "
+                               "(q_proj, k_proj, v_proj, o_proj)")
         match = _TENSOR_NAME.match(tensor_name)
         if match is None or match["target"] not in TARGETS:
             kind = "DoRA magnitude" if "lora_magnitude" in tensor_name else "LoRA on this module"

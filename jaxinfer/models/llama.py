@@ -1,4 +1,5 @@
-"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2, Qwen3) as pure functions.
+"""The Llama-family transformer (Llama 2/3, Mistral, Qwen2, Qwen3, and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) as pure functions.
 
 Parameters are a plain dict pytree. Per-layer weights are loaded stacked on a
 leading `num_layers` axis; how they are then stored and iterated (a scan
@@ -14,9 +15,12 @@ multiply them from the left (`x @ w`):
                  wk [L, hidden, kv_heads*head_dim] bk [L, kv_heads*head_dim] (qkv_bias)
                  wv [L, hidden, kv_heads*head_dim] bv [L, kv_heads*head_dim] (qkv_bias)
                  q_norm [L, head_dim]  k_norm [L, head_dim]                  (qk_norm)
+                   (OLMoE: [L, heads*head_dim] and [L, kv_heads*head_dim], qk_norm_per_head off)
                  wo [L, heads*head_dim, hidden]
                  mlp_norm [L, hidden]
                  w_gate [L, hidden, ffn]  w_up [L, hidden, ffn]  w_down [L, ffn, hidden]
+                                        (a dense model, or a MoE with dense_layers)
+                 router, expert_*, shared_*   the experts of a MoE (models/moe.py)
     final_norm   [hidden]
     lm_head      [hidden, vocab]        (absent when embeddings are tied, unless quantized)
     few_row_head [hidden, vocab]        (optional) a QuantizedTensor of exactly the head's
@@ -24,7 +28,14 @@ multiply them from the left (`x @ w`):
                                         kernel serves the rows (a GGUF's Q8_0 head beside
                                         its float table: loading/params.py)
 
-Any linear weight (the seven per-layer ones and lm_head) may instead be a
+A MoE whose layers mix dense and sparse MLPs (Qwen's mlp_only_layers /
+decoder_sparse_step) holds both kinds of weight for every layer, zeros
+where a layer is of the other kind, so that every layer weight stays one
+stack the layer loop can scan, and each layer runs only its own kind
+(lax.cond). Real checkpoints of these families are all sparse; the padding
+is the price of keeping one layout for the rare mixed one.
+
+Any linear weight (the seven per-layer ones, the experts and lm_head) may instead be a
 QuantizedTensor (quant/tensor.py) of the same logical shape; every matmul goes
 through the backend's linear, whose reference is quant/linear.py. The embedding table
 stays a float array (it is gathered, not multiplied), except that a tied model
@@ -41,6 +52,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq
 from jaxinfer.models.lora import lora_delta
+from jaxinfer.models.moe import moe_mlp, moe_param_shapes
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -55,14 +67,17 @@ def param_shapes(config: ModelConfig) -> dict:
         "wv": (L, c.hidden_size, kv_dim),
         "wo": (L, q_dim, c.hidden_size),
         "mlp_norm": (L, c.hidden_size),
-        "w_gate": (L, c.hidden_size, c.intermediate_size),
-        "w_up": (L, c.hidden_size, c.intermediate_size),
-        "w_down": (L, c.intermediate_size, c.hidden_size),
     }
+    if c.has_dense_mlp:
+        layers.update(w_gate=(L, c.hidden_size, c.intermediate_size), w_up=(L, c.hidden_size, c.intermediate_size),
+                      w_down=(L, c.intermediate_size, c.hidden_size))
+    layers.update(moe_param_shapes(c))
     if c.qkv_bias:
         layers.update(bq=(L, q_dim), bk=(L, kv_dim), bv=(L, kv_dim))
-    if c.qk_norm:
+    if c.qk_norm and c.qk_norm_per_head:
         layers.update(q_norm=(L, c.head_dim), k_norm=(L, c.head_dim))
+    elif c.qk_norm:
+        layers.update(q_norm=(L, q_dim), k_norm=(L, kv_dim))
     shapes = {"embed": (c.vocab_size, c.hidden_size), "layers": layers, "final_norm": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (c.hidden_size, c.vocab_size)
@@ -82,7 +97,8 @@ def adapted_linears(x, p: dict, keys, lora_slots=None, *, backend) -> list:
     ys = backend.linears(x, [p[key] for key in keys])
     if lora_slots is None:
         return ys
-    return [y + lora_delta(x, *p["lora"][key], lora_slots) for y, key in zip(ys, keys)]
+    # A MoE serves adapters on the attention only (lora/adapter.py): its dense MLPs have no buffers.
+    return [y + lora_delta(x, *p["lora"][key], lora_slots) if key in p["lora"] else y for y, key in zip(ys, keys)]
 
 
 def decoder_layer(p: dict, config: ModelConfig, x, positions, inv_freq, attention: AttentionFn, kv_cache, layer_index,
@@ -98,8 +114,28 @@ def decoder_layer(p: dict, config: ModelConfig, x, positions, inv_freq, attentio
                                         backend=backend)
     x = x + adapted_linear(values, p, "wo", lora_slots, backend=backend)
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-    hidden = mlp_hidden(p, h, lora_slots, backend=backend)
-    return x + adapted_linear(hidden, p, "w_down", lora_slots, backend=backend), kv_cache
+    return x + feed_forward(p, c, h, layer_index, lora_slots, backend=backend), kv_cache
+
+
+def feed_forward(p: dict, config: ModelConfig, h, layer_index, lora_slots=None, *, backend):
+    """The MLP of one layer on its normed input h: the dense one, or the
+    routed experts (models/moe.py), or for a model that mixes them the one
+    of this layer's kind (see the module docstring)."""
+    c = config
+
+    def dense():
+        return adapted_linear(mlp_hidden(p, h, lora_slots, backend=backend), p, "w_down", lora_slots, backend=backend)
+
+    def sparse():
+        return moe_mlp(p, c, h, backend=backend)
+
+    if not c.num_experts:
+        return dense()
+    if not c.dense_layers:
+        return sparse()
+    if not isinstance(layer_index, jax.core.Tracer):  # an unrolled loop's layer (backends/gpu.py)
+        return dense() if int(layer_index) in c.dense_layers else sparse()
+    return jax.lax.cond(jnp.isin(layer_index, jnp.asarray(c.dense_layers, jnp.int32)), dense, sparse)
 
 
 def attention_values(p: dict, config: ModelConfig, h, positions, inv_freq, attention: AttentionFn, kv_cache,
@@ -115,10 +151,13 @@ def attention_values(p: dict, config: ModelConfig, h, positions, inv_freq, atten
         return y.reshape(batch, seq, num_heads, c.head_dim)
 
     q, k, v = adapted_linears(h, p, ("wq", "wk", "wv"), lora_slots, backend=backend)
+    if c.qk_norm and not c.qk_norm_per_head:  # OLMoE: over the whole projection, before the heads split
+        q = rms_norm(q, p["q_norm"], c.rms_norm_eps)  # (no OLMoE has q/k/v biases: config.py refuses them)
+        k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
     q = heads(q, "bq", c.num_heads)
     k = heads(k, "bk", c.num_kv_heads)
     v = heads(v, "bv", c.num_kv_heads)
-    if c.qk_norm:
+    if c.qk_norm and c.qk_norm_per_head:
         q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)

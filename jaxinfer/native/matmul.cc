@@ -27,6 +27,12 @@
 // q, k and v), their tasks in one parallel loop: the arguments are x, layer,
 // then data, scales and offsets of each weight; the results each weight's out.
 //
+// A mixture of experts' rows each multiply their own matrix of a stack
+// (JaxinferQuantizedExpertMatmuls, below): the rows arrive sorted by matrix
+// (layer * experts + expert), each run of one matrix is one product of the
+// kind above, and the runs' tasks share one parallel loop. Only the selected
+// experts' codes are read, each once for all its rows.
+//
 // Work: the output columns are cut into tasks shared by the calling thread
 // and the helper threads (parallel.h), numbered in the order of the
 // memory they read; a task streams its columns of each weight row in order.
@@ -669,7 +675,78 @@ ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
+// Rows sorted by matrix (matrix[r] non-decreasing: layer * experts + expert
+// of a stack [layers * experts, in, out] of each weight): each run of rows
+// of one matrix times that matrix, for every weight, all the runs' tasks in
+// one parallel loop. A row's result is the product a call with that row
+// alone computes (the paths' sums do not depend on the rows beside it:
+// InputParts, FewRows and ManyRows), so a token's experts never depend on
+// which other tokens chose them.
+ffi::Error QuantizedExpertMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x,
+                                      ffi::Buffer<ffi::S32> matrix, ffi::RemainingArgs weights,
+                                      ffi::RemainingRets outs, int64_t group_size, bool has_offsets) {
+  const int64_t count = static_cast<int64_t>(outs.size());
+  if (count == 0 || static_cast<int64_t>(weights.size()) != 3 * count) {
+    return ffi::Error::InvalidArgument("quantized expert matmul: give (data, scales, offsets) for each output");
+  }
+  const int64_t rows = x.dimensions()[0], in = x.dimensions()[1];
+  if (matrix.element_count() != rows) {
+    return ffi::Error::InvalidArgument("quantized expert matmul: one matrix index per row of x");
+  }
+  const int32_t* index = matrix.typed_data();
+  std::vector<int64_t> run_begin;  // the first row of each run of one matrix, then rows
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r > 0 && index[r] < index[r - 1]) {
+      return ffi::Error::InvalidArgument("quantized expert matmul: rows must be sorted by matrix");
+    }
+    if (r == 0 || index[r] != index[r - 1]) run_begin.push_back(r);
+  }
+  run_begin.push_back(rows);
+  const int64_t workers = jaxinfer::NumWorkers(thread_pool);
+  std::vector<std::unique_ptr<Plan>> plans;
+  std::vector<int64_t> first_task{0};
+  for (int64_t j = 0; j < count; ++j) {
+    auto data = weights.get<ffi::AnyBuffer>(3 * j);
+    auto scales = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 1);
+    auto offsets = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 2);
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(j);
+    if (data.has_error()) return data.error();
+    if (scales.has_error()) return scales.error();
+    if (offsets.has_error()) return offsets.error();
+    if (out.has_error()) return out.error();
+    for (size_t run = 0; run + 1 < run_begin.size(); ++run) {
+      plans.push_back(std::make_unique<Plan>());
+      // Checked as the whole x, then narrowed to the run's rows and matrix.
+      ffi::Error error = Describe(x, data.value(), scales.value(), offsets.value(), index[run_begin[run]],
+                                  out.value()->typed_data(), group_size, has_offsets, &plans.back()->p);
+      if (error.failure()) return error;
+      Problem& p = plans.back()->p;
+      p.x += run_begin[run] * in;
+      p.out += run_begin[run] * p.out_features;
+      p.rows = run_begin[run + 1] - run_begin[run];
+      PlanProduct(*plans.back(), workers);
+      first_task.push_back(first_task.back() + plans.back()->num_tasks);
+    }
+  }
+  jaxinfer::ParallelFor(thread_pool, first_task.back(), [&plans, &first_task](int64_t task) {
+    const int64_t j = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+    plans[j]->run(*plans[j], task - first_task[j]);
+  });
+  for (auto& plan : plans) plan->Finish();
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantizedExpertMatmuls, QuantizedExpertMatmulsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x, rows sorted by matrix
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // matrix of each row
+                                  .RemainingArgs()               // data, scales, offsets of each weight
+                                  .RemainingRets()               // each weight's out
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<bool>("has_offsets"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantizedMatmuls, QuantizedMatmulsImpl,
                               ffi::Ffi::Bind()

@@ -4,7 +4,9 @@ native_library):
 
   matmul.cc         float32 activations, up to max_rows() rows: the weight's
                     exact value; one call may take several weights of one
-                    layer (a layer's q, k and v: quantized_matmuls)
+                    layer (a layer's q, k and v: quantized_matmuls); and a
+                    MoE's experts, each row by its own expert
+                    (quantized_expert_matmuls)
   q8_matmul.cc      activations quantized to int8 blocks on the fly (weights
                     with activation_block, quant/tensor.py), any number of
                     rows: int8 dots (AVX512-VNNI; without it the build fails
@@ -32,6 +34,7 @@ from jaxinfer.native.build import cpu_has, native_ffi_target
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_quantized_matmul"
+EXPERT_TARGET_NAME = "jaxinfer_quantized_expert_matmul"
 # Rows up to which the exact kernel beats XLA's path (a float copy of the
 # weight, then a GEMM that shares it across the rows). The default model's
 # seven projections x 30 layers, fastest of 40 calls, on a Zen 4 VM (stop 29):
@@ -57,6 +60,11 @@ TILE = 64
 def available() -> bool:
     """Whether the kernel is built and registered with XLA (built on first call)."""
     return native_ffi_target(str(SOURCE), "JaxinferQuantizedMatmuls", TARGET_NAME)
+
+
+def experts_available() -> bool:
+    """Whether the experts' entry of the same library is registered (built on first call)."""
+    return available() and native_ffi_target(str(SOURCE), "JaxinferQuantizedExpertMatmuls", EXPERT_TARGET_NAME)
 
 
 def max_rows() -> int:
@@ -108,6 +116,12 @@ def tileable(w: QuantizedTensor) -> bool:
             and supports(1, w))
 
 
+def tileable_experts(w: QuantizedTensor) -> bool:
+    """tileable() for a MoE's stack of experts [layers, experts, in, out]."""
+    return (cpu_has("avx512f") and not w.tile and w.data.ndim == 4
+            and w.out_features % TILE == 0 and supports_experts([w]))
+
+
 def _layout_ok(w: QuantizedTensor) -> bool:
     """One weight [in, out] or a stack of layers, plain or in tiles of TILE."""
     return w.data.ndim - (1 if w.tile else 0) in (2, 3) and w.tile in (0, TILE)
@@ -135,6 +149,37 @@ def quantized_matmuls(x, ws: list[QuantizedTensor], layer_index=0) -> list[jax.A
     call = jax.ffi.ffi_call(TARGET_NAME, [jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32) for w in ws])
     return list(call(x.astype(jnp.float32), jnp.asarray(layer_index, jnp.int32), *buffers,
                      group_size=np.int64(ws[0].group_size), has_offsets=ws[0].offsets is not None))
+
+
+def supports_experts(ws: list[QuantizedTensor]) -> bool:
+    """Whether quantized_expert_matmuls serves these stacks of experts
+    [layers, experts, in, out] (any number of rows; a weight with an
+    activation block multiplies activations its caller rounded first)."""
+    return (jax.default_backend() == "cpu" and all(
+        w.scheme in ("int8", "int4") and w.scales.dtype == jnp.float32
+        and w.data.ndim - (1 if w.tile else 0) == 4 and w.tile in (0, TILE) and (not w.tile or cpu_has("avx512f"))
+        and (w.scheme == "int8" or w.group_size % 2 == 0) for w in ws) and _share_attributes(ws)
+        and experts_available())
+
+
+def quantized_expert_matmuls(x, ws: list[QuantizedTensor], layer_index, expert_ids) -> list[jax.Array]:
+    """Rows x [rows, in] sorted by expert (expert_ids int32 [rows],
+    non-decreasing) -> for each stack w of ws [layers, experts, in, out],
+    float32 [rows, out] with row r = x[r] @ w[layer_index, expert_ids[r]]:
+    only the selected experts' codes are read, each once for all its rows."""
+    if not experts_available():
+        raise RuntimeError("the CPU quantized matmul kernel is not available here (see the warning above)")
+    num_experts = ws[0].data.shape[1]
+    buffers = []
+    for w in ws:  # [layers, experts, ...] as one stack of matrices: a free reshape
+        flat = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])  # noqa: E731
+        buffers += [flat(w.data), flat(w.scales),
+                    jnp.zeros((1,), jnp.float32) if w.offsets is None else flat(w.offsets)]
+    matrix = jnp.asarray(layer_index, jnp.int32) * num_experts + expert_ids.astype(jnp.int32)
+    call = jax.ffi.ffi_call(EXPERT_TARGET_NAME,
+                            [jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32) for w in ws])
+    return list(call(x.astype(jnp.float32), matrix, *buffers, group_size=np.int64(ws[0].group_size),
+                     has_offsets=ws[0].offsets is not None))
 
 
 def q8_matmul(x, w: QuantizedTensor, layer_index=0) -> jax.Array:

@@ -14,7 +14,19 @@ all-reduces (after wo and after w_down), which GSPMD inserts:
       lm_head [hidden, vocab] on vocab: the lookup is a masked local
       gather plus one all-reduce, the logits come out split on vocab
       (hidden instead, when the vocabulary does not divide)
-  replicated (declared)                     the norms (a few KB each)
+  replicated (declared)                     the norms (a few KB each), a
+      MoE's router and shared-expert gate (the routing, computed whole on
+      every device)
+
+A MoE's experts [L, experts, in, out] (models/moe.py): split whole over
+the devices, each device holding num_experts / N of them (expert
+parallelism, vLLM's enable_expert_parallel over the same devices as the
+attention's TP), when N divides the experts; otherwise each expert is split
+like a dense MLP (expert_gate / expert_up on their hidden columns,
+expert_down on its hidden rows). Either way the rows routed to another
+device's experts contribute zeros there, and the one all-reduce after the
+down projection sums every expert's share, as after a dense w_down. The
+shared expert is split like a dense MLP.
 
 Quantized weights (quant/tensor.py) split their data like the logical
 weight; scales and offsets [.., in / group, out] follow the output split,
@@ -47,10 +59,12 @@ from jaxinfer.parallel.mesh import CONTEXT_AXIS, MODEL_AXIS
 from jaxinfer.quant.tensor import QuantizedTensor
 
 M = MODEL_AXIS
-COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up")
-ROW_PARALLEL = ("wo", "w_down")
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w_gate", "w_up", "shared_w_gate", "shared_w_up")
+ROW_PARALLEL = ("wo", "w_down", "shared_w_down")
 HEAD_BIASES = ("bq", "bk", "bv")
-REPLICATED = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
+REPLICATED = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm", "router", "shared_expert_gate")
+EXPERTS_COLUMN = ("expert_gate", "expert_up")
+EXPERTS_ROW = ("expert_down",)
 KV_KEYS = ("layers/wk", "layers/wv", "layers/bk", "layers/bv")
 
 
@@ -72,9 +86,20 @@ def check_divisible(config: ModelConfig, tensor_parallel_size: int) -> None:
     n = tensor_parallel_size
     if config.num_heads % n:
         raise ValueError(f"tensor_parallel_size {n} must divide the number of attention heads ({config.num_heads})")
-    if config.intermediate_size % n:
+    if config.has_dense_mlp and config.intermediate_size % n:
         raise ValueError(f"tensor_parallel_size {n} must divide the MLP hidden size ({config.intermediate_size})")
+    if config.num_experts and not expert_parallel(config.num_experts, n) and config.moe_intermediate_size % n:
+        raise ValueError(f"tensor_parallel_size {n} must divide the number of experts ({config.num_experts}) or "
+                         f"each expert's hidden size ({config.moe_intermediate_size})")
+    if config.shared_expert_intermediate_size % n:
+        raise ValueError(f"tensor_parallel_size {n} must divide the shared expert's hidden size "
+                         f"({config.shared_expert_intermediate_size})")
     kv_head_replication(config.num_kv_heads, n)
+
+
+def expert_parallel(num_experts: int, tensor_parallel_size: int) -> bool:
+    """Whether a MoE's experts are split whole over the devices (see the module docstring)."""
+    return num_experts % tensor_parallel_size == 0
 
 
 def sharded_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
@@ -128,6 +153,11 @@ def logical_spec(path: str, shape: tuple, tensor_parallel_size: int) -> P:
         spec = P(None, M, None)
     elif key in HEAD_BIASES:
         spec = P(None, M)
+    elif key in EXPERTS_COLUMN + EXPERTS_ROW:
+        if expert_parallel(shape[1], n):
+            spec = P(None, M, None, None)
+        else:
+            spec = P(None, None, None, M) if key in EXPERTS_COLUMN else P(None, None, M, None)
     elif key in REPLICATED:
         return P()
     else:

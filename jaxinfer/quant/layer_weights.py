@@ -25,12 +25,19 @@ from jaxinfer.quant.tensor import QuantizedTensor
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerOf:
-    """Layer `index` (traced) of a stacked QuantizedTensor [layers, ...]."""
-    stacked: QuantizedTensor
+    """Layer `index` (traced) of a stacked QuantizedTensor [layers, ...] (or
+    of a float stack: a MoE's experts, which a native kernel reads in place)."""
+    stacked: QuantizedTensor | jax.Array
     index: jax.Array
 
-    def layer(self) -> QuantizedTensor:
-        return jax.tree.map(lambda a: a[self.index], self.stacked).untiled()
+    @property
+    def shape(self) -> tuple:
+        """One layer's (logical) shape."""
+        return self.stacked.shape[1:]
+
+    def layer(self):
+        layer = jax.tree.map(lambda a: a[self.index], self.stacked)
+        return layer.untiled() if isinstance(layer, QuantizedTensor) else layer
 
 
 @jax.tree_util.register_pytree_node_class

@@ -40,6 +40,11 @@ activations are quantized to int8 blocks first (schemes.int8_blocks) and
 multiplied in float, which is the product the CPU backend's int8 kernel
 computes in integers.
 
+`grouped_linear(x, w, group_sizes)` is the same for a stack of experts
+[experts, in, out] and rows sorted by expert (a MoE, models/moe.py): one
+jax.lax.ragged_dot, with a quantized stack dequantized first (w8a8: the
+rows quantized and the dot in int32, exact as above).
+
 This is the plain XLA path of every platform: the reference each backend's
 kernels are tested against, and what they fall back to where they do not
 serve a weight (jaxinfer/backends/: the CPU backend's native kernels for
@@ -110,3 +115,23 @@ def _xla_linear(x, w: QuantizedTensor) -> jax.Array:
     # quantizers or GGUF types make one): unpack the rows first.
     q = unpack_int4(w.data) if w.scheme == "int4" else w.data
     return jnp.matmul(x, dequant(q), preferred_element_type=f32)
+
+
+def grouped_linear(x: jax.Array, w, group_sizes) -> jax.Array:
+    """x [rows, in], sorted into consecutive groups of group_sizes[e] rows for
+    expert e, times w [experts, in, out] (an array or a QuantizedTensor):
+    row r of group e -> x[r] @ w[e]; [rows, out] in x.dtype."""
+    if not isinstance(w, QuantizedTensor):
+        return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes,
+                                  preferred_element_type=jnp.float32).astype(x.dtype)
+    if w.activation_block:
+        x = int8_blocks(x, w.activation_block)
+    w = w.untiled()
+    if w.scheme == "w8a8":
+        xq, x_scale = absmax_int8(x, axis=-1)
+        acc = jax.lax.ragged_dot(xq, w.data, group_sizes, preferred_element_type=jnp.int32)
+        # Each row's per-channel scales: its expert's.
+        expert_of_row = jnp.repeat(jnp.arange(w.data.shape[0]), group_sizes, total_repeat_length=x.shape[0])
+        return (acc.astype(jnp.float32) * x_scale * w.scales[expert_of_row, 0]).astype(x.dtype)
+    return jax.lax.ragged_dot(x, dequantize(w, x.dtype), group_sizes,
+                              preferred_element_type=jnp.float32).astype(x.dtype)

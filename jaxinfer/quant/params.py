@@ -1,10 +1,10 @@
 """Round-to-nearest quantization of a whole params pytree (models/llama.py layout).
 
-The seven per-layer linear weights are quantized with their layer axis (groups
-never cross layers); embeddings, norms and biases stay float. With
-include_head the output projection is quantized too; for tied embeddings
-that adds a quantized `lm_head` (embed.T), while the gather keeps the float
-table.
+The seven per-layer linear weights (and a MoE's experts and shared expert)
+are quantized with their layer axis (groups never cross layers or experts);
+embeddings, norms, biases and a MoE's routers stay float. With include_head
+the output projection is quantized too; for tied embeddings that adds a
+quantized `lm_head` (embed.T), while the gather keeps the float table.
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ from jaxinfer.quant.schemes import activation_block, quantize
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
 
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# A MoE's linear weights (models/moe.py): the experts, stacked [experts, in,
+# out] per layer, and the shared expert. Its router and the shared expert's
+# sigmoid gate stay float: they are small, and they choose the experts.
+ROUTED_KEYS = ("expert_gate", "expert_up", "expert_down")
+MOE_LINEAR_KEYS = (*ROUTED_KEYS, "shared_w_gate", "shared_w_up", "shared_w_down")
+QUANTIZED_KEYS = LINEAR_KEYS + MOE_LINEAR_KEYS
 # Schemes whose load-time quantization (loading/params.py) covers the head too,
 # and for tied embeddings replaces the float table (models/llama.py's
 # embed_tokens reads the head's columns). w8a8 never multiplies a float weight,
@@ -60,7 +66,7 @@ def quantize_params(params: dict, scheme: str, group_size: int | None = None, in
         raise ValueError("fp8 is per output channel only; leave group_size unset")
     out = dict(params)
     layers = dict(params["layers"])
-    for key in LINEAR_KEYS:
+    for key in (k for k in QUANTIZED_KEYS if k in layers):
         w, name = layers[key], f"layers/{key}"
         layers[key] = (PerLayer(quantize_weight(x, scheme, group_size, name) for x in w) if isinstance(w, PerLayer)
                        else quantize_weight(w, scheme, group_size, name))
@@ -79,17 +85,20 @@ def with_int8_activations(params: dict) -> dict:
     Q8_0 d and m are float16 in the file): the int8-activation kernel reads
     them with the codes, and for int4 groups of 32 float32 ones are half as
     many bytes again as the codes."""
-    def mark(w):
+    def mark(w, narrow=True):
         if not isinstance(w, QuantizedTensor) or w.scheme not in ("int8", "int4"):
             return w
         parts = [w.scales] + ([] if w.offsets is None else [w.offsets])
-        if all(bool(jnp.array_equal(p.astype(jnp.float16).astype(p.dtype), p)) for p in parts):
+        if narrow and all(bool(jnp.array_equal(p.astype(jnp.float16).astype(p.dtype), p)) for p in parts):
             w = dataclasses.replace(w, scales=w.scales.astype(jnp.float16),
                                     offsets=None if w.offsets is None else w.offsets.astype(jnp.float16))
         return dataclasses.replace(w, activation_block=activation_block(w.group_size))
 
     out = dict(params)
-    out["layers"] = {key: mark(w) if key in LINEAR_KEYS else w for key, w in params["layers"].items()}
+    # A MoE's experts keep float32 scales: their kernel (the exact one, on
+    # activations rounded first, backends/cpu.py) reads float32.
+    out["layers"] = {key: mark(w, narrow=key not in ROUTED_KEYS) if key in QUANTIZED_KEYS else w
+                     for key, w in params["layers"].items()}
     if "lm_head" in out:
         out["lm_head"] = mark(out["lm_head"])
     return out

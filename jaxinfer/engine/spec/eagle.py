@@ -95,6 +95,9 @@ class EagleProposer(Proposer):
     def __init__(self, target, engine_config, spec, progress: bool = True):
         super().__init__(spec.num_speculative_tokens, engine_config.max_model_len, spec.disable_by_batch_size,
                          spec.adaptive)
+        if target.config.num_experts:
+            raise ValueError("speculative method 'eagle' does not support mixtures of experts yet (its head is one "
+                             "dense layer of the target's shape); use 'ngram' or 'draft_model'")
         self.target = target
         self.config = target.config
         self.head, self.window = load_head(spec.model or DEFAULT_HEAD, target.config, target.dtype)
