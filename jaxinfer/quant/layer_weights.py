@@ -19,17 +19,23 @@ import dataclasses
 
 import jax
 
+from jaxinfer.quant.kquant import KQuantTensor
+from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.tensor import QuantizedTensor
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerOf:
-    """Layer `index` (traced) of a stacked QuantizedTensor [layers, ...]."""
-    stacked: QuantizedTensor
+    """Layer `index` (traced) of a stacked QuantizedTensor or KQuantTensor
+    [layers, ...], or of a MixedStack (quant/mixed_stack.py: its `apply`
+    takes the place of `layer()`, since its layers differ in form)."""
+    stacked: QuantizedTensor | KQuantTensor | MixedStack
     index: jax.Array
 
-    def layer(self) -> QuantizedTensor:
+    def layer(self) -> QuantizedTensor | KQuantTensor:
+        if isinstance(self.stacked, MixedStack):
+            raise TypeError("a MixedStack's layer has no one form under a traced index: use stacked.apply")
         return jax.tree.map(lambda a: a[self.index], self.stacked).untiled()
 
 
@@ -57,7 +63,10 @@ class PerLayer:
 
     @classmethod
     def unstack(cls, stacked) -> PerLayer:
-        """A stacked array or QuantizedTensor [layers, ...] as one per layer."""
+        """A stacked array, QuantizedTensor or KQuantTensor [layers, ...], or a
+        MixedStack, as one per layer (each in its own format)."""
+        if isinstance(stacked, MixedStack):
+            return cls(stacked.layer(i) for i in range(stacked.num_layers))
         num_layers = jax.tree.leaves(stacked)[0].shape[0]
         return cls(jax.tree.map(lambda a: a[i], stacked) for i in range(num_layers))
 

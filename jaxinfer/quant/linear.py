@@ -53,6 +53,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.quant import kquant
+from jaxinfer.quant.kquant import KQuantTensor
+from jaxinfer.quant.layer_weights import LayerOf
+from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.schemes import absmax_int8, int8_blocks
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize, unpack_int4
 
@@ -60,8 +64,18 @@ from jaxinfer.quant.tensor import QuantizedTensor, dequantize, unpack_int4
 def linear(x: jax.Array, w) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] in x.dtype.
 
-    w: an array or a QuantizedTensor [in, out] (or with leading layer axes,
-    which broadcast like `x @ w`)."""
+    w: an array, a QuantizedTensor or KQuantTensor [in, out] (or with leading
+    layer axes, which broadcast like `x @ w`), or one layer of a stack
+    (LayerOf, the form a MixedStack reaches the layer loop in)."""
+    if isinstance(w, LayerOf):
+        if isinstance(w.stacked, MixedStack):
+            return w.stacked.apply(w.index, lambda part, index: linear(x, LayerOf(part, index)))
+        return linear(x, w.layer())
+    if isinstance(w, KQuantTensor):
+        # The reference: the file's values in float, then a float matmul.
+        if w.activation_block:
+            x = int8_blocks(x, w.activation_block)
+        return jnp.matmul(x, kquant.dequantize(w, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     if not isinstance(w, QuantizedTensor):
         return x @ w
     if w.activation_block:  # the quantized activations, multiplied in float: the same numbers

@@ -15,7 +15,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.quant.layer_weights import PerLayer
+from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.schemes import activation_block, quantize
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
 
@@ -80,6 +82,10 @@ def with_int8_activations(params: dict) -> dict:
     them with the codes, and for int4 groups of 32 float32 ones are half as
     many bytes again as the codes."""
     def mark(w):
+        if isinstance(w, MixedStack):
+            return w.replace_parts(mark)
+        if isinstance(w, KQuantTensor):  # float16 d and dmin already, as the file
+            return dataclasses.replace(w, activation_block=activation_block(w.group_size))
         if not isinstance(w, QuantizedTensor) or w.scheme not in ("int8", "int4"):
             return w
         parts = [w.scales] + ([] if w.offsets is None else [w.offsets])
