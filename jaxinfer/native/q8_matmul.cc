@@ -421,6 +421,241 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------
+// K-quant weights (quant/kquant.py: Q2_K .. Q6_K as the file stores them, in
+// tiles of 64 columns with the code planes' 64-byte rows in nibble order:
+// byte 4d + m holds column 16m + d). The "gguf-a8" path of those weights,
+// as llama.cpp multiplies them: activations in int8 blocks of one weight
+// group (16 or 32 inputs), integer dots, then
+//
+//   y[r, o] += (d[s, o] * sub_scale[g, o]) * d_x[r, g] * (sum_i code[i, o] * xq[r, i] - bias * sum_i xq[r, i])
+//            - (dmin[s, o] * sub_min[g, o]) * d_x[r, g] * sum_i xq[r, i]
+//
+// per group g in order (kquant_matmul.cc has the formats). Each group's codes
+// of a tile are unpacked to one unsigned byte each (KQuantQuad: shifts and
+// masks of whole 64-byte rows), four inputs at a time, and transposed as the
+// plain int8 weights are (TransposeRows): since the bytes are in nibble
+// order, vector k's lane 4l + i then holds column 16i + 4l + k, a 4 x 4
+// transposition of the 32-bit elements within each 128-bit lane of the
+// natural order (TransposeDwords), which the scales go through before and
+// the results after.
+namespace kquant {
+
+constexpr int64_t kSuperBlock = 256;
+enum Kind : int64_t { kQ2K = 0, kQ3K = 1, kQ4K = 2, kQ5K = 3, kQ6K = 4 };  // native/kquant_matmul.py's KINDS
+
+struct Shape {
+  int low, high, group, bias;
+  bool signed_scales;
+  int minimums;  // 0: none, 1: separate bytes, 2: the sub-scale byte's high nibble
+};
+
+Shape ShapeOf(int64_t kind) {
+  switch (kind) {
+    case kQ2K: return {2, 0, 16, 0, false, 2};
+    case kQ3K: return {2, 1, 16, 4, true, 0};
+    case kQ4K: return {4, 0, 32, 0, false, 1};
+    case kQ5K: return {4, 1, 32, 0, false, 1};
+    default: return {4, 2, 16, 32, true, 0};
+  }
+}
+
+struct KProblem {
+  Problem act;  // the quantized activations (codes in input order, scales and sums per group)
+  Shape shape;
+  const uint8_t *codes, *high, *sub_scales, *sub_mins;
+  const uint16_t *d, *dmin;
+  float* out;
+  int64_t rows, in, out_features, code_rows, high_rows, groups, supers;
+};
+
+// The 4 x 4 transposition of 32-bit elements within each 128-bit lane: its own inverse.
+template <typename V>
+void TransposeDwords(V v[4]) {
+  const __m512 a0 = _mm512_castsi512_ps(reinterpret_cast<__m512i&>(v[0]));
+  const __m512 a1 = _mm512_castsi512_ps(reinterpret_cast<__m512i&>(v[1]));
+  const __m512 a2 = _mm512_castsi512_ps(reinterpret_cast<__m512i&>(v[2]));
+  const __m512 a3 = _mm512_castsi512_ps(reinterpret_cast<__m512i&>(v[3]));
+  const __m512 t0 = _mm512_unpacklo_ps(a0, a1), t1 = _mm512_unpackhi_ps(a0, a1);
+  const __m512 t2 = _mm512_unpacklo_ps(a2, a3), t3 = _mm512_unpackhi_ps(a2, a3);
+  const __m512d r0 = _mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2));
+  const __m512d r1 = _mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2));
+  const __m512d r2 = _mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3));
+  const __m512d r3 = _mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3));
+  reinterpret_cast<__m512&>(v[0]) = _mm512_castpd_ps(r0);
+  reinterpret_cast<__m512&>(v[1]) = _mm512_castpd_ps(r1);
+  reinterpret_cast<__m512&>(v[2]) = _mm512_castpd_ps(r2);
+  reinterpret_cast<__m512&>(v[3]) = _mm512_castpd_ps(r3);
+}
+
+// Bits [shift, shift + bits) of every byte of row, in each byte's low bits.
+inline __m512i ByteField(__m512i row, int shift, int bits) {
+  return _mm512_and_si512(_mm512_srli_epi16(row, shift), _mm512_set1_epi8(static_cast<char>((1 << bits) - 1)));
+}
+
+// Inputs [n, n + 4) of a tile (n a multiple of 4) as unsigned codes, one
+// byte each, rows[b] the 64 columns of input n + b in nibble order.
+void KQuantQuad(const KProblem& p, const uint8_t* codes, const uint8_t* high, int64_t n, __m512i rows[4]) {
+  const Shape& s = p.shape;
+  for (int b = 0; b < 4; ++b) {
+    const int64_t i = n + b;
+    const int per_low = 8 / s.low;
+    const __m512i low = _mm512_loadu_si512(codes + (i / per_low) * 64);
+    rows[b] = ByteField(low, (i % per_low) * s.low, s.low);
+    if (s.high) {
+      const int per_high = 8 / s.high;
+      const __m512i bits = _mm512_loadu_si512(high + (i / per_high) * 64);
+      rows[b] = _mm512_or_si512(rows[b], _mm512_slli_epi16(ByteField(bits, (i % per_high) * s.high, s.high), s.low));
+    }
+  }
+}
+
+// Group g's scales and minimums (d * sub_scale, dmin * sub_min) of a tile's
+// 64 columns, in the dots' lane order.
+void GroupScales(const KProblem& p, const uint8_t* sub_scales, const uint8_t* sub_mins, const uint16_t* d,
+                 const uint16_t* dmin, int64_t g, __m512 scale[4], __m512 minimum[4]) {
+  const Shape& s = p.shape;
+  const int64_t sb = g * s.group / kSuperBlock;
+  for (int k = 0; k < 4; ++k) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + g * 64 + 16 * k));
+    __m512i sub = s.signed_scales ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    if (s.minimums == 2) sub = _mm512_and_si512(sub, _mm512_set1_epi32(0x0F));
+    const __m512 dk = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + sb * 64 + 16 * k)));
+    scale[k] = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(sub));
+    if (s.minimums) {
+      const __m512i m = s.minimums == 2 ? _mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes), 4)
+                                        : _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                              reinterpret_cast<const __m128i*>(sub_mins + g * 64 + 16 * k)));
+      const __m512 mk =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dmin + sb * 64 + 16 * k)));
+      minimum[k] = _mm512_mul_ps(mk, _mm512_cvtepi32_ps(m));
+    } else {
+      minimum[k] = _mm512_setzero_ps();
+    }
+  }
+  TransposeDwords(scale);
+  TransposeDwords(minimum);
+}
+
+// Rows [row0, row0 + rows) x the 64 columns of tile `tile`, every group.
+void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t tile) {
+  const Shape& s = p.shape;
+  const uint8_t* codes = p.codes + tile * p.code_rows * 64;
+  const uint8_t* high = s.high ? p.high + tile * p.high_rows * 64 : nullptr;
+  const uint8_t* sub_scales = p.sub_scales + tile * p.groups * 64;
+  const uint8_t* sub_mins = s.minimums == 1 ? p.sub_mins + tile * p.groups * 64 : nullptr;
+  const uint16_t* d = p.d + tile * p.supers * 64;
+  const uint16_t* dmin = s.minimums ? p.dmin + tile * p.supers * 64 : nullptr;
+  const int64_t quads = s.group / 4;
+  alignas(64) __m512i w_all[32];  // a group's transposed codes: 4 vectors per 4 inputs, up to 32 inputs
+  alignas(64) float acc[kRowBlock * kColumns] = {};
+  for (int64_t g = 0; g < p.groups; ++g) {
+    for (int64_t quad = 0; quad < quads; ++quad) {
+      __m512i four[4];
+      KQuantQuad(p, codes, high, g * s.group + 4 * quad, four);
+      const __m512i a0 = _mm512_unpacklo_epi8(four[0], four[1]), a1 = _mm512_unpackhi_epi8(four[0], four[1]);
+      const __m512i b0 = _mm512_unpacklo_epi8(four[2], four[3]), b1 = _mm512_unpackhi_epi8(four[2], four[3]);
+      w_all[4 * quad] = _mm512_unpacklo_epi16(a0, b0);
+      w_all[4 * quad + 1] = _mm512_unpackhi_epi16(a0, b0);
+      w_all[4 * quad + 2] = _mm512_unpacklo_epi16(a1, b1);
+      w_all[4 * quad + 3] = _mm512_unpackhi_epi16(a1, b1);
+    }
+    __m512 scale[4], minimum[4];
+    GroupScales(p, sub_scales, sub_mins, d, dmin, g, scale, minimum);
+    for (int64_t r = 0; r < rows; r += 2) {
+      const int pair = r + 1 < rows ? 2 : 1;
+      const int32_t* x[2];
+      for (int i = 0; i < pair; ++i)
+        x[i] = reinterpret_cast<const int32_t*>(p.act.codes.data() + (row0 + r + i) * p.in + g * s.group);
+      __m512i sum[2][4];
+      if (pair == 2) {
+        BlockDots<false, 2>(x, w_all, quads, sum);
+      } else {
+        BlockDots<false, 1>(x, w_all, quads, sum);
+      }
+      for (int i = 0; i < pair; ++i) {
+        const int64_t at = (row0 + r + i) * p.groups + g;
+        const __m512 dx = _mm512_set1_ps(p.act.x_scales[at]), x_sum = _mm512_set1_ps(p.act.x_sums[at]);
+        const __m512i bias = _mm512_set1_epi32(s.bias * p.act.code_sums[at]);
+        float* out = acc + (r + i) * kColumns;
+        for (int k = 0; k < 4; ++k) {
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[i][k], bias));
+          __m512 v = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[k], dx), _mm512_loadu_ps(out + 16 * k));
+          if (s.minimums) v = _mm512_fnmadd_ps(minimum[k], x_sum, v);
+          _mm512_storeu_ps(out + 16 * k, v);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 v[4];
+    for (int k = 0; k < 4; ++k) v[k] = _mm512_load_ps(acc + r * kColumns + 16 * k);
+    TransposeDwords(v);
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(p.out + (row0 + r) * p.out_features + tile * kColumns + 16 * k, v[k]);
+  }
+}
+
+ffi::Error Q8KQuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                              ffi::AnyBuffer codes, ffi::AnyBuffer high, ffi::AnyBuffer sub_scales,
+                              ffi::AnyBuffer sub_mins, ffi::AnyBuffer d, ffi::AnyBuffer dmin,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
+  if (kind < kQ2K || kind > kQ6K) return ffi::Error::InvalidArgument("q8 k-quant matmul: unknown kind");
+  KProblem p;
+  p.shape = ShapeOf(kind);
+  const auto x_dims = x.dimensions();
+  const auto code_dims = codes.dimensions(), scale_dims = sub_scales.dimensions(), d_dims = d.dimensions();
+  if (x_dims.size() != 2 || code_dims.size() != 4 || scale_dims.size() != 4 || d_dims.size() != 4 ||
+      code_dims[3] != kColumns) {
+    return ffi::Error::InvalidArgument(
+        "q8 k-quant matmul: x must be [rows, in], the weight's arrays [layers, out / 64, rows, 64]");
+  }
+  p.rows = x_dims[0];
+  p.in = x_dims[1];
+  p.out_features = code_dims[1] * kColumns;
+  p.code_rows = p.in * p.shape.low / 8;
+  p.high_rows = p.in * p.shape.high / 8;
+  p.groups = p.in / p.shape.group;
+  p.supers = p.in / kSuperBlock;
+  const int64_t layers = code_dims[0], tiles = code_dims[1];
+  if (p.rows < 1 || p.in % kSuperBlock != 0 || code_dims[2] != p.code_rows || scale_dims[1] != tiles ||
+      scale_dims[2] != p.groups || d_dims[1] != tiles || d_dims[2] != p.supers) {
+    return ffi::Error::InvalidArgument("q8 k-quant matmul: shapes do not match (whole super-blocks of 256 inputs)");
+  }
+  const int64_t layer_index = layer.typed_data()[0];
+  if (layer_index < 0 || layer_index >= layers) {
+    return ffi::Error::InvalidArgument("q8 k-quant matmul: layer index outside the stacked weights");
+  }
+  if ((p.shape.high && high.dimensions().size() != 4) || (p.shape.minimums == 1 && sub_mins.dimensions().size() != 4) ||
+      (p.shape.minimums && dmin.dimensions().size() != 4)) {
+    return ffi::Error::InvalidArgument("q8 k-quant matmul: this kind needs its high bits, minimums and dmin");
+  }
+  const int64_t area = tiles * kColumns;
+  p.codes = static_cast<const uint8_t*>(codes.untyped_data()) + layer_index * p.code_rows * area;
+  p.high = p.shape.high ? static_cast<const uint8_t*>(high.untyped_data()) + layer_index * p.high_rows * area
+                        : nullptr;
+  p.sub_scales = static_cast<const uint8_t*>(sub_scales.untyped_data()) + layer_index * p.groups * area;
+  p.sub_mins = p.shape.minimums == 1
+                   ? static_cast<const uint8_t*>(sub_mins.untyped_data()) + layer_index * p.groups * area
+                   : nullptr;
+  p.d = static_cast<const uint16_t*>(d.untyped_data()) + layer_index * p.supers * area;
+  p.dmin = p.shape.minimums ? static_cast<const uint16_t*>(dmin.untyped_data()) + layer_index * p.supers * area
+                            : nullptr;
+  p.out = out->typed_data();
+  p.act.int4 = false;
+  p.act.rows = p.rows;
+  p.act.in = p.in;
+  p.act.block = p.shape.group;
+  QuantizeActivations(x.typed_data(), p.act);
+  const int64_t row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
+  jaxinfer::ParallelFor(thread_pool, row_blocks * tiles, [&p, row_blocks](int64_t task) {
+    const int64_t row0 = (task % row_blocks) * kRowBlock;
+    KQuantColumnTask(p, row0, std::min(kRowBlock, p.rows - row0), task / row_blocks);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace kquant
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8Matmul, Q8MatmulImpl,
@@ -435,3 +670,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8Matmul, Q8MatmulImpl,
                                   .Attr<int64_t>("group_size")
                                   .Attr<bool>("has_offsets")
                                   .Attr<int64_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8KQuantMatmul, kquant::Q8KQuantMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::AnyBuffer>()         // codes
+                                  .Arg<ffi::AnyBuffer>()         // high
+                                  .Arg<ffi::AnyBuffer>()         // sub_scales
+                                  .Arg<ffi::AnyBuffer>()         // sub_mins
+                                  .Arg<ffi::AnyBuffer>()         // d
+                                  .Arg<ffi::AnyBuffer>()         // dmin
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int64_t>("kind"));
