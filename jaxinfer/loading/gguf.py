@@ -5,7 +5,9 @@ dequantized to float one at a time on request, and llama.cpp's Q/K row
 permutation is undone for the "llama" architecture so the HF rotary pairing in
 models/layers.py applies. Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights can instead
 be read straight into a QuantizedTensor (`get_quantized`), repacking the block
-codes and scales so that the values stay exactly the file's.
+codes and scales so that the values stay exactly the file's, and the K-quants
+(Q2_K .. Q6_K) into a KQuantTensor that holds them at the file's size
+(blocks_to_kquant, quant/kquant.py).
 """
 
 from __future__ import annotations
@@ -24,11 +26,16 @@ from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
 # GGUF `general.architecture` -> ours. Mistral GGUFs say "llama".
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
-# Tensor types we dequantize with gguf.quants (the ones the issue names plus the
-# other classic and k-quant block formats the package implements in numpy).
+# Tensor types we dequantize with gguf.quants: every block format llama.cpp's
+# quantizer writes that the package implements in numpy (the classic and
+# K-quant blocks, the i-quants, the ternary and FP4 ones). The rest (its
+# internal Q8_1 / Q8_K, integer and float64 tensors, formats newer than the
+# package) fail with an error naming the type and these.
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
-    [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+    [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+     Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0,
+     *(getattr(Q, name) for name in ("MXFP4", "NVFP4") if hasattr(Q, name))]
 )
 
 # Block types that map onto a QuantizedTensor without loss: (scheme, rows per scale).
