@@ -300,9 +300,10 @@ def build_params(
             per_layer = [_read_quantized(source, name, shape[1:], quantization, placement, f"layers/{key}",
                                          k_quants) for name in names]
             kinds = {None if w is None else _kind(w) for w in per_layer}
-            if len(kinds) > 1 and None not in kinds and k_quants:
-                # Layers in different block types, each kept at its own size:
-                # one stack per type (quant/mixed_stack.py).
+            if len(kinds) > 1 and None not in kinds and any(isinstance(w, KQuantTensor) for w in per_layer):
+                # Layers in different block types, K-quants among them, each
+                # kept at its own size: one stack per type (quant/mixed_stack.py).
+                # (Mixes of the classic types stay one widened stack below.)
                 layers[key] = MixedStack.of(per_layer, _kind)
                 bar.update(config.num_layers)
                 del per_layer
