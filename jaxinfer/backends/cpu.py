@@ -3,10 +3,14 @@ serve, the plain XLA path (backends/xla.py) everywhere else.
 
   loading      quantization="auto" keeps a GGUF file's own blocks (the same
                numbers as the dequantized floats in a third of the bytes,
-               multiplied by the kernels without a float copy); a "gguf"
-               load keeps the head float (XLA casts a quantized head to
-               float whole on every step), plus a tied model's head in the
-               file's blocks for the kernel at a few rows (few_row_head).
+               multiplied by the kernels without a float copy); K-quants
+               (Q2_K .. Q6_K) at the file's size (quant/kquant.py), a
+               weight mixing block types one stack per type
+               (quant/mixed_stack.py); an untied head in its blocks (a
+               100k-vocabulary float head would be most of a decode
+               step's bytes), a tied one's float table for the lookup and
+               past FEW_ROW_HEAD_MAX_ROWS rows, plus its blocks for the
+               kernels up to there (few_row_head).
                The quantized layer weights the exact kernel multiplies are
                stored in its tiles of columns (quant/tensor.py, `tile`).
   layer loop   lax.scan over the stacked layers; quantized weights reach
@@ -15,8 +19,10 @@ serve, the plain XLA path (backends/xla.py) everywhere else.
                call would be copied by XLA first).
   operations   native/matmul.py for quantized layer weights (the exact
                kernel up to max_rows() rows, q, k and v in one call; the
-               int8-activation kernel for "gguf-a8" weights), the head
-               through the same kernels where they pay, and
+               int8-activation kernel for "gguf-a8" weights),
+               native/kquant_matmul.py for K-quant ones (the same two
+               paths; a mixed stack's layer under a switch on its type),
+               the head through the same kernels where they pay, and
                native/paged_attention.py for attention_backend="xla".
   settings     glibc keeps freed host memory (backends/host_memory.py); the
                kernels build on threads while the weights load.
