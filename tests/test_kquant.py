@@ -89,8 +89,9 @@ def int8_blocks64(x: np.ndarray, block: int) -> np.ndarray:
 def test_kernels_match_float64(qtype):
     """The exact kernel at 1, 2, 5 (few-row path: tasks of 4, 2 and 1 tiles),
     23 and 40 rows (many-row path) and the gguf-a8 kernel at 1, 3 and 17
-    rows, against float64 products of gguf's values; layer 1 of 2; and each
-    row bit for bit its result alone."""
+    rows (activations rounded to int8 per 256 inputs here), against float64
+    products of gguf's values; layer 1 of 2; and each row bit for bit its
+    result alone."""
     w, values = stacked_weight(qtype, 2, 512, 256)
     rng = np.random.default_rng(int(qtype))
     exact = jax.jit(kquant_matmul.kquant_matmul)
@@ -99,12 +100,12 @@ def test_kernels_match_float64(qtype):
         y = np.asarray(exact(x, w, 1))
         assert_matches(y, x.astype(np.float64) @ values[1])
         np.testing.assert_array_equal(y[-1], np.asarray(exact(x[-1:], w, 1))[0])
-    a8 = dataclasses.replace(w, activation_block=w.group_size)
+    a8 = dataclasses.replace(w, activation_block=256)
     q8 = jax.jit(kquant_matmul.q8_kquant_matmul)
     for rows in (1, 3, 17):
         x = rng.standard_normal((rows, 512)).astype(np.float32)
         y = np.asarray(q8(x, a8, 1))
-        assert_matches(y, int8_blocks64(x, w.group_size) @ values[1])
+        assert_matches(y, int8_blocks64(x, 256) @ values[1])
         np.testing.assert_array_equal(y[0], np.asarray(q8(x[:1], a8, 1))[0])
 
 
@@ -115,7 +116,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(qtype):
     row bit for bit its one-row result, in both kernels."""
     w, _ = stacked_weight(qtype, 1, 256, 192, seed=9)
     x = np.random.default_rng(7).standard_normal((75, 256)).astype(np.float32)
-    a8 = dataclasses.replace(w, activation_block=w.group_size)
+    a8 = dataclasses.replace(w, activation_block=256)
     for kernel, weight in ((kquant_matmul.kquant_matmul, w), (kquant_matmul.q8_kquant_matmul, a8)):
         run = jax.jit(kernel)
         alone = np.stack([np.asarray(run(x[r:r + 1], weight, 0))[0] for r in range(75)])
@@ -208,16 +209,20 @@ def test_xla_backend_runs_the_same_weights(kquant_load, float_load):
 
 def test_gguf_a8_multiplies_int8_blocks(mixed_file, kquant_load):
     """quantization="gguf-a8": every K-quant weight (mixed stacks' parts too)
-    marked for int8 activations of one group and multiplied by the kernel,
-    with logits those of the XLA reference of the same params."""
+    marked for int8 activations in blocks of a super-block (llama.cpp's
+    Q8_K) and multiplied by the kernel, with logits those of the XLA
+    reference of the same params to 1%: the two round the same activations
+    to int8 but sum floats in other orders, and a hidden value that lands
+    on the other side of a rounding boundary moves by a whole int8 step
+    (each single product is held to 1e-5 in test_kernels_match_float64)."""
     a8 = jaxinfer.load(str(mixed_file), progress=False, quantization="gguf-a8")
     for key in LINEAR_KEYS:
         w = a8.params["layers"][key]
         for part in (w.parts if isinstance(w, MixedStack) else [w]):
-            assert part.activation_block == part.group_size, key
+            assert part.activation_block == 256, key
     reference = Model(a8.config, a8.params, None, np.float32, "", 0.0, None, "gguf-a8", a8.config,
                       XlaBackend().with_dtype(np.float32))
-    assert_logits_close(a8.logits(TOKENS), reference.logits(TOKENS), rtol=1e-4)
+    assert_logits_close(a8.logits(TOKENS), reference.logits(TOKENS), rtol=1e-2)
 
 
 def test_perplexity_unchanged_against_the_float_load(kquant_load, float_load):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.native.build import cpu_has, native_ffi_target
-from jaxinfer.quant.kquant import KQuantTensor
+from jaxinfer.quant.kquant import SUPER_BLOCK, KQuantTensor
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_kquant_matmul"
@@ -58,7 +58,7 @@ def supports(rows: int, w: KQuantTensor) -> bool:
 
 def supports_q8(rows: int, w: KQuantTensor) -> bool:
     """Whether the int8-activation kernel serves x [rows, in] @ w (w with activation_block)."""
-    return (jax.default_backend() == "cpu" and rows >= 1 and bool(w.activation_block) and _layout_ok(w)
+    return (jax.default_backend() == "cpu" and rows >= 1 and w.activation_block == SUPER_BLOCK and _layout_ok(w)
             and q8_available())
 
 

@@ -425,17 +425,20 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
 // K-quant weights (quant/kquant.py: Q2_K .. Q6_K as the file stores them, in
 // tiles of 64 columns with the code planes' 64-byte rows in nibble order:
 // byte 4d + m holds column 16m + d). The "gguf-a8" path of those weights,
-// as llama.cpp multiplies them: activations in int8 blocks of one weight
-// group (16 or 32 inputs), integer dots, then
+// as llama.cpp multiplies them (its Q8_K activations): activations in int8
+// blocks of one super-block (256 inputs, one scale d_x each), and per
+// super-block s, exactly in int32,
 //
-//   y[r, o] += (d[s, o] * sub_scale[g, o]) * d_x[r, g] * (sum_i code[i, o] * xq[r, i] - bias * sum_i xq[r, i])
-//            - (dmin[s, o] * sub_min[g, o]) * d_x[r, g] * sum_i xq[r, i]
+//   dots[r, o]  = sum_g sub_scale[g, o] * (sum_{i in g} code[i, o] * xq[r, i] - bias * sum_{i in g} xq[r, i])
+//   mins[r, o]  = sum_g sub_min[g, o] * sum_{i in g} xq[r, i]
+//   y[r, o]    += float(dots) * (d[s, o] * d_x[r, s]) - (dmin[s, o] * d_x[r, s]) * float(mins)
 //
-// per group g in order (kquant_matmul.cc has the formats). Each group's codes
-// of a tile are unpacked to one unsigned byte each (KQuantQuad: shifts and
-// masks of whole 64-byte rows), four inputs at a time, and transposed as the
-// plain int8 weights are (TransposeRows): since the bytes are in nibble
-// order, vector k's lane 4l + i then holds column 16i + 4l + k, a 4 x 4
+// (kquant_matmul.cc has the formats). The integer sums are exact, so a row's
+// result never depends on the rows beside it. Each group's codes of a tile
+// are unpacked to one unsigned byte each (KQuantQuad: shifts and masks of
+// whole 64-byte rows), four inputs at a time, and transposed as the plain
+// int8 weights are (TransposeRows); since the bytes are in nibble order,
+// vector k's lane 4l + i then holds column 16i + 4l + k, a 4 x 4
 // transposition of the 32-bit elements within each 128-bit lane of the
 // natural order (TransposeDwords), which the scales go through before and
 // the results after.
@@ -465,6 +468,7 @@ struct KProblem {
   Shape shape;
   const uint8_t *codes, *high, *sub_scales, *sub_mins;
   const uint16_t *d, *dmin;
+  std::vector<int32_t> group_code_sums;  // [rows, groups]: each row's sum of xq over each group
   float* out;
   int64_t rows, in, out_features, code_rows, high_rows, groups, supers;
 };
@@ -510,34 +514,40 @@ void KQuantQuad(const KProblem& p, const uint8_t* codes, const uint8_t* high, in
   }
 }
 
-// Group g's scales and minimums (d * sub_scale, dmin * sub_min) of a tile's
-// 64 columns, in the dots' lane order.
-void GroupScales(const KProblem& p, const uint8_t* sub_scales, const uint8_t* sub_mins, const uint16_t* d,
-                 const uint16_t* dmin, int64_t g, __m512 scale[4], __m512 minimum[4]) {
+// Group g's sub-scales and sub-minimums (integers) of a tile's 64 columns, as
+// int32 in the dots' lane order.
+void GroupSubScales(const KProblem& p, const uint8_t* sub_scales, const uint8_t* sub_mins, int64_t g,
+                    __m512i scale[4], __m512i minimum[4]) {
   const Shape& s = p.shape;
-  const int64_t sb = g * s.group / kSuperBlock;
   for (int k = 0; k < 4; ++k) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + g * 64 + 16 * k));
-    __m512i sub = s.signed_scales ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
-    if (s.minimums == 2) sub = _mm512_and_si512(sub, _mm512_set1_epi32(0x0F));
-    const __m512 dk = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + sb * 64 + 16 * k)));
-    scale[k] = _mm512_mul_ps(dk, _mm512_cvtepi32_ps(sub));
-    if (s.minimums) {
-      const __m512i m = s.minimums == 2 ? _mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes), 4)
-                                        : _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                              reinterpret_cast<const __m128i*>(sub_mins + g * 64 + 16 * k)));
-      const __m512 mk =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dmin + sb * 64 + 16 * k)));
-      minimum[k] = _mm512_mul_ps(mk, _mm512_cvtepi32_ps(m));
+    scale[k] = s.signed_scales ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    if (s.minimums == 2) {
+      minimum[k] = _mm512_srli_epi32(scale[k], 4);
+      scale[k] = _mm512_and_si512(scale[k], _mm512_set1_epi32(0x0F));
+    } else if (s.minimums == 1) {
+      minimum[k] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_mins + g * 64 + 16 * k)));
     } else {
-      minimum[k] = _mm512_setzero_ps();
+      minimum[k] = _mm512_setzero_si512();
     }
   }
   TransposeDwords(scale);
   TransposeDwords(minimum);
 }
 
-// Rows [row0, row0 + rows) x the 64 columns of tile `tile`, every group.
+// Super-block sb's d (or dmin) of a tile's 64 columns as float32, in the dots' lane order.
+void SuperScales(const uint16_t* d, int64_t sb, __m512 out[4]) {
+  for (int k = 0; k < 4; ++k) {
+    out[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + sb * 64 + 16 * k)));
+  }
+  TransposeDwords(out);
+}
+
+// Rows [row0, row0 + rows) x the 64 columns of tile `tile`, every super-block.
+// Per super-block the codes of its groups are unpacked and transposed once
+// (into an L1 buffer), and each row's integer sums of sub_scale * (dot - bias
+// * sum(xq)) and of sub_min * sum(xq) over the groups are exact; one
+// float multiply-add per super-block then scales them by d * d_x (dmin * d_x).
 void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t tile) {
   const Shape& s = p.shape;
   const uint8_t* codes = p.codes + tile * p.code_rows * 64;
@@ -546,42 +556,60 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
   const uint8_t* sub_mins = s.minimums == 1 ? p.sub_mins + tile * p.groups * 64 : nullptr;
   const uint16_t* d = p.d + tile * p.supers * 64;
   const uint16_t* dmin = s.minimums ? p.dmin + tile * p.supers * 64 : nullptr;
-  const int64_t quads = s.group / 4;
-  alignas(64) __m512i w_all[32];  // a group's transposed codes: 4 vectors per 4 inputs, up to 32 inputs
+  const int64_t quads = s.group / 4, per_super = kSuperBlock / s.group;
+  alignas(64) __m512i weights[kSuperBlock];  // a super-block's transposed codes: 4 vectors per 4 inputs
+  alignas(64) __m512i scales[16][4], minimums[16][4];
   alignas(64) float acc[kRowBlock * kColumns] = {};
-  for (int64_t g = 0; g < p.groups; ++g) {
-    for (int64_t quad = 0; quad < quads; ++quad) {
-      __m512i four[4];
-      KQuantQuad(p, codes, high, g * s.group + 4 * quad, four);
-      const __m512i a0 = _mm512_unpacklo_epi8(four[0], four[1]), a1 = _mm512_unpackhi_epi8(four[0], four[1]);
-      const __m512i b0 = _mm512_unpacklo_epi8(four[2], four[3]), b1 = _mm512_unpackhi_epi8(four[2], four[3]);
-      w_all[4 * quad] = _mm512_unpacklo_epi16(a0, b0);
-      w_all[4 * quad + 1] = _mm512_unpackhi_epi16(a0, b0);
-      w_all[4 * quad + 2] = _mm512_unpacklo_epi16(a1, b1);
-      w_all[4 * quad + 3] = _mm512_unpackhi_epi16(a1, b1);
+  for (int64_t sb = 0; sb < p.supers; ++sb) {
+    for (int64_t gi = 0; gi < per_super; ++gi) {
+      const int64_t g = sb * per_super + gi;
+      for (int64_t quad = 0; quad < quads; ++quad) {
+        __m512i four[4];
+        KQuantQuad(p, codes, high, g * s.group + 4 * quad, four);
+        const __m512i a0 = _mm512_unpacklo_epi8(four[0], four[1]), a1 = _mm512_unpackhi_epi8(four[0], four[1]);
+        const __m512i b0 = _mm512_unpacklo_epi8(four[2], four[3]), b1 = _mm512_unpackhi_epi8(four[2], four[3]);
+        __m512i* w = weights + 4 * (gi * quads + quad);
+        w[0] = _mm512_unpacklo_epi16(a0, b0);
+        w[1] = _mm512_unpackhi_epi16(a0, b0);
+        w[2] = _mm512_unpacklo_epi16(a1, b1);
+        w[3] = _mm512_unpackhi_epi16(a1, b1);
+      }
+      GroupSubScales(p, sub_scales, sub_mins, g, scales[gi], minimums[gi]);
     }
-    __m512 scale[4], minimum[4];
-    GroupScales(p, sub_scales, sub_mins, d, dmin, g, scale, minimum);
+    __m512 d_s[4], dmin_s[4];
+    SuperScales(d, sb, d_s);
+    if (s.minimums) SuperScales(dmin, sb, dmin_s);
     for (int64_t r = 0; r < rows; r += 2) {
       const int pair = r + 1 < rows ? 2 : 1;
-      const int32_t* x[2];
-      for (int i = 0; i < pair; ++i)
-        x[i] = reinterpret_cast<const int32_t*>(p.act.codes.data() + (row0 + r + i) * p.in + g * s.group);
-      __m512i sum[2][4];
-      if (pair == 2) {
-        BlockDots<false, 2>(x, w_all, quads, sum);
-      } else {
-        BlockDots<false, 1>(x, w_all, quads, sum);
+      __m512i sums[2][4], mins[2][4];
+      for (int i = 0; i < 2; ++i)
+        for (int k = 0; k < 4; ++k) sums[i][k] = mins[i][k] = _mm512_setzero_si512();
+      for (int64_t gi = 0; gi < per_super; ++gi) {
+        const int64_t g = sb * per_super + gi;
+        const int32_t* x[2];
+        for (int i = 0; i < pair; ++i)
+          x[i] = reinterpret_cast<const int32_t*>(p.act.codes.data() + (row0 + r + i) * p.in + g * s.group);
+        __m512i dot[2][4];
+        if (pair == 2) {
+          BlockDots<false, 2>(x, weights + 4 * gi * quads, quads, dot);
+        } else {
+          BlockDots<false, 1>(x, weights + 4 * gi * quads, quads, dot);
+        }
+        for (int i = 0; i < pair; ++i) {
+          const int32_t code_sum = p.group_code_sums[(row0 + r + i) * p.groups + g];
+          const __m512i bias = _mm512_set1_epi32(s.bias * code_sum), sum = _mm512_set1_epi32(code_sum);
+          for (int k = 0; k < 4; ++k) {
+            sums[i][k] = _mm512_add_epi32(sums[i][k], _mm512_mullo_epi32(scales[gi][k], _mm512_sub_epi32(dot[i][k], bias)));
+            if (s.minimums) mins[i][k] = _mm512_add_epi32(mins[i][k], _mm512_mullo_epi32(minimums[gi][k], sum));
+          }
+        }
       }
       for (int i = 0; i < pair; ++i) {
-        const int64_t at = (row0 + r + i) * p.groups + g;
-        const __m512 dx = _mm512_set1_ps(p.act.x_scales[at]), x_sum = _mm512_set1_ps(p.act.x_sums[at]);
-        const __m512i bias = _mm512_set1_epi32(s.bias * p.act.code_sums[at]);
+        const __m512 dx = _mm512_set1_ps(p.act.x_scales[(row0 + r + i) * p.supers + sb]);
         float* out = acc + (r + i) * kColumns;
         for (int k = 0; k < 4; ++k) {
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[i][k], bias));
-          __m512 v = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[k], dx), _mm512_loadu_ps(out + 16 * k));
-          if (s.minimums) v = _mm512_fnmadd_ps(minimum[k], x_sum, v);
+          __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][k]), _mm512_mul_ps(d_s[k], dx), _mm512_loadu_ps(out + 16 * k));
+          if (s.minimums) v = _mm512_fnmadd_ps(_mm512_mul_ps(dmin_s[k], dx), _mm512_cvtepi32_ps(mins[i][k]), v);
           _mm512_storeu_ps(out + 16 * k, v);
         }
       }
@@ -644,8 +672,17 @@ ffi::Error Q8KQuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
   p.act.int4 = false;
   p.act.rows = p.rows;
   p.act.in = p.in;
-  p.act.block = p.shape.group;
+  p.act.block = kSuperBlock;  // one activation scale per super-block, as llama.cpp's Q8_K
   QuantizeActivations(x.typed_data(), p.act);
+  p.group_code_sums.resize(p.rows * p.groups);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const int8_t* xq = p.act.codes.data() + r * p.in + g * p.shape.group;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < p.shape.group; ++i) sum += xq[i];
+      p.group_code_sums[r * p.groups + g] = sum;
+    }
+  }
   const int64_t row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
   jaxinfer::ParallelFor(thread_pool, row_blocks * tiles, [&p, row_blocks](int64_t task) {
     const int64_t row0 = (task % row_blocks) * kRowBlock;

@@ -47,9 +47,11 @@ tile  0: as above. 64: every array's out axis cut into tiles of 64 columns
       lookup of 16 floats turn 16 columns' codes into floats
       (native/kquant_matmul.cc).
 
-activation_block  0 or, for the "gguf-a8" load, the int8 activation block
-      (quant/schemes.py): the group size, as llama.cpp multiplies these
-      formats by activations quantized per 16 or 32 inputs.
+activation_block  0 or, for the "gguf-a8" load, 256: the activations are
+      rounded to int8 in blocks of a super-block (quant/schemes.py,
+      int8_blocks), as llama.cpp multiplies these formats (its Q8_K), so
+      that the integer sub-scales apply to exact integer dot products
+      (native/q8_matmul.cc).
 """
 
 from __future__ import annotations
