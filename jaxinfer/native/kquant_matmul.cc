@@ -525,21 +525,26 @@ void RunManyRows(Plan& plan, int64_t task) {
                       plan.parts, plan.x_sums.data());
 }
 
+// Tiles per few-row task: as many as the rows need for 16 accumulators, 4
+// at one row, 2 at two (where they divide the columns), else 1.
+int64_t TaskTiles(int64_t rows, int64_t tiles) {
+  if (rows == 1 && tiles % 4 == 0) return 4;
+  if (rows <= 2 && tiles % 2 == 0) return 2;
+  return 1;
+}
+
 template <int64_t kKind>
 void PlanKind(Plan& plan, int64_t workers) {
   const Problem& p = plan.p;
   const int64_t tiles = p.Tiles();
-  plan.parts = InputParts(tiles, p.groups, workers);
+  // The input parts are sized for the one-row tasks (the fewest), and so
+  // for every row count alike: a row's sums never depend on the rows beside
+  // it. (A 256-column weight at one row is one task of 4 tiles: in 2 parts,
+  // both cores take one.)
+  plan.parts = InputParts(tiles / TaskTiles(1, tiles), p.groups, workers);
   if (p.rows <= kRowBlock) {
-    // Tasks as wide as the rows need for 16 accumulators: 4 tiles at one
-    // row, 2 at two (where they divide the columns), else 1.
     plan.partials.resize((plan.parts - 1) * p.rows * p.out_features);
-    int64_t width = 1;
-    if (p.rows == 1 && tiles % 4 == 0) {
-      width = 4;
-    } else if (p.rows <= 2 && tiles % 2 == 0) {
-      width = 2;
-    }
+    const int64_t width = TaskTiles(p.rows, tiles);
     plan.num_tasks = tiles / width * plan.parts;
     plan.run = width == 4 ? RunFewRows<kKind, 16> : width == 2 ? RunFewRows<kKind, 8> : RunFewRows<kKind, 4>;
     return;

@@ -453,7 +453,7 @@ struct Shape {
   int minimums;  // 0: none, 1: separate bytes, 2: the sub-scale byte's high nibble
 };
 
-Shape ShapeOf(int64_t kind) {
+constexpr Shape ShapeOf(int64_t kind) {
   switch (kind) {
     case kQ2K: return {2, 0, 16, 0, false, 2};
     case kQ3K: return {2, 1, 16, 4, true, 0};
@@ -464,6 +464,7 @@ Shape ShapeOf(int64_t kind) {
 }
 
 struct KProblem {
+  int64_t kind;
   Problem act;  // the quantized activations (codes in input order, scales and sums per group)
   Shape shape;
   const uint8_t *codes, *high, *sub_scales, *sub_mins;
@@ -498,27 +499,35 @@ inline __m512i ByteField(__m512i row, int shift, int bits) {
 }
 
 // Inputs [n, n + 4) of a tile (n a multiple of 4) as unsigned codes, one
-// byte each, rows[b] the 64 columns of input n + b in nibble order.
-void KQuantQuad(const KProblem& p, const uint8_t* codes, const uint8_t* high, int64_t n, __m512i rows[4]) {
-  const Shape& s = p.shape;
+// byte each, rows[b] the 64 columns of input n + b in nibble order. The
+// kind a template argument: its bit widths then make every division and
+// shift a constant.
+template <int64_t kKind>
+__attribute__((always_inline)) inline void KQuantQuad(const uint8_t* codes, const uint8_t* high, int64_t n,
+                                                      __m512i rows[4]) {
+  constexpr Shape s = ShapeOf(kKind);
+  constexpr int per_low = 8 / s.low;  // 2 or 4: divides 4, so input n + b sits at b % per_low in its byte
+  // A 1-bit high plane's byte holds 8 inputs: n (a multiple of 4) starts at bit 0 or 4 of it.
+  const int high_first = s.high == 1 ? static_cast<int>(n & 4) : 0;
+#pragma GCC unroll 4
   for (int b = 0; b < 4; ++b) {
-    const int64_t i = n + b;
-    const int per_low = 8 / s.low;
-    const __m512i low = _mm512_loadu_si512(codes + (i / per_low) * 64);
-    rows[b] = ByteField(low, (i % per_low) * s.low, s.low);
-    if (s.high) {
-      const int per_high = 8 / s.high;
-      const __m512i bits = _mm512_loadu_si512(high + (i / per_high) * 64);
-      rows[b] = _mm512_or_si512(rows[b], _mm512_slli_epi16(ByteField(bits, (i % per_high) * s.high, s.high), s.low));
+    const __m512i low = _mm512_loadu_si512(codes + ((n + b) / per_low) * 64);
+    rows[b] = ByteField(low, (b % per_low) * s.low, s.low);
+    if constexpr (s.high > 0) {
+      constexpr int per_high = 8 / (s.high > 0 ? s.high : 1);
+      const __m512i bits = _mm512_loadu_si512(high + ((n + b) / per_high) * 64);
+      const int shift = s.high == 1 ? high_first + b : b * s.high;
+      rows[b] = _mm512_or_si512(rows[b], _mm512_slli_epi16(ByteField(bits, shift, s.high), s.low));
     }
   }
 }
 
 // Group g's sub-scales and sub-minimums (integers) of a tile's 64 columns, as
 // int32 in the dots' lane order.
-void GroupSubScales(const KProblem& p, const uint8_t* sub_scales, const uint8_t* sub_mins, int64_t g,
-                    __m512i scale[4], __m512i minimum[4]) {
-  const Shape& s = p.shape;
+template <int64_t kKind>
+void GroupSubScales(const uint8_t* sub_scales, const uint8_t* sub_mins, int64_t g, __m512i scale[4],
+                    __m512i minimum[4]) {
+  constexpr Shape s = ShapeOf(kKind);
   for (int k = 0; k < 4; ++k) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + g * 64 + 16 * k));
     scale[k] = s.signed_scales ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
@@ -548,8 +557,9 @@ void SuperScales(const uint16_t* d, int64_t sb, __m512 out[4]) {
 // (into an L1 buffer), and each row's integer sums of sub_scale * (dot - bias
 // * sum(xq)) and of sub_min * sum(xq) over the groups are exact; one
 // float multiply-add per super-block then scales them by d * d_x (dmin * d_x).
+template <int64_t kKind>
 void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t tile) {
-  const Shape& s = p.shape;
+  constexpr Shape s = ShapeOf(kKind);
   const uint8_t* codes = p.codes + tile * p.code_rows * 64;
   const uint8_t* high = s.high ? p.high + tile * p.high_rows * 64 : nullptr;
   const uint8_t* sub_scales = p.sub_scales + tile * p.groups * 64;
@@ -565,7 +575,7 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
       const int64_t g = sb * per_super + gi;
       for (int64_t quad = 0; quad < quads; ++quad) {
         __m512i four[4];
-        KQuantQuad(p, codes, high, g * s.group + 4 * quad, four);
+        KQuantQuad<kKind>(codes, high, g * s.group + 4 * quad, four);
         const __m512i a0 = _mm512_unpacklo_epi8(four[0], four[1]), a1 = _mm512_unpackhi_epi8(four[0], four[1]);
         const __m512i b0 = _mm512_unpacklo_epi8(four[2], four[3]), b1 = _mm512_unpackhi_epi8(four[2], four[3]);
         __m512i* w = weights + 4 * (gi * quads + quad);
@@ -574,7 +584,7 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
         w[2] = _mm512_unpacklo_epi16(a1, b1);
         w[3] = _mm512_unpackhi_epi16(a1, b1);
       }
-      GroupSubScales(p, sub_scales, sub_mins, g, scales[gi], minimums[gi]);
+      GroupSubScales<kKind>(sub_scales, sub_mins, g, scales[gi], minimums[gi]);
     }
     __m512 d_s[4], dmin_s[4];
     SuperScales(d, sb, d_s);
@@ -629,6 +639,7 @@ ffi::Error Q8KQuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
                               ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
   if (kind < kQ2K || kind > kQ6K) return ffi::Error::InvalidArgument("q8 k-quant matmul: unknown kind");
   KProblem p;
+  p.kind = kind;
   p.shape = ShapeOf(kind);
   const auto x_dims = x.dimensions();
   const auto code_dims = codes.dimensions(), scale_dims = sub_scales.dimensions(), d_dims = d.dimensions();
@@ -686,7 +697,14 @@ ffi::Error Q8KQuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
   const int64_t row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
   jaxinfer::ParallelFor(thread_pool, row_blocks * tiles, [&p, row_blocks](int64_t task) {
     const int64_t row0 = (task % row_blocks) * kRowBlock;
-    KQuantColumnTask(p, row0, std::min(kRowBlock, p.rows - row0), task / row_blocks);
+    const int64_t rows = std::min(kRowBlock, p.rows - row0), tile = task / row_blocks;
+    switch (p.kind) {
+      case kQ2K: return KQuantColumnTask<kQ2K>(p, row0, rows, tile);
+      case kQ3K: return KQuantColumnTask<kQ3K>(p, row0, rows, tile);
+      case kQ4K: return KQuantColumnTask<kQ4K>(p, row0, rows, tile);
+      case kQ5K: return KQuantColumnTask<kQ5K>(p, row0, rows, tile);
+      default: return KQuantColumnTask<kQ6K>(p, row0, rows, tile);
+    }
   });
   return ffi::Error::Success();
 }
