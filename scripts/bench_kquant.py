@@ -15,8 +15,9 @@ medians of the rounds are printed with the ratios.
              decode tok/s) and `llama-batched-bench -npp PROMPT -ntg OUTPUT
              -npl 32 -pps` at 1 and CORES threads (its S_TG: batch-32 decode
              over one prompt shared by the 32 sequences, so that their
-             prefill does not take minutes; each decodes over its own copy)
-             tok/s), each the better of the two thread counts, from
+             prefill does not take minutes
+             tok/s; each decodes over the shared prompt's cache), each the
+             better of the two thread counts, from
              --llama-cpp-bin, a build of llama.cpp on this machine (not a
              dependency)
 
