@@ -191,22 +191,6 @@ inline __m512i ShiftRight(__m512i v) {
   }
 }
 
-// Input kInput (0 .. 7 within a run of 8) of columns 16 * kVector .. + 15 of
-// a tile, as floats: low and high are the code planes' byte rows that hold it.
-template <int64_t kKind, int kInput, int kVector>
-inline __m512 CodeFloats(__m512i low, __m512i high, __m512 low_table, __m512 high_table) {
-  using F = Format<kKind>;
-  constexpr int kLowShift = 8 * kVector + (kInput % (8 / F::kLow)) * F::kLow;
-  __m512 v = _mm512_permutexvar_ps(ShiftRight<kLowShift>(low), low_table);
-  if constexpr (F::kHigh) {
-    constexpr int kHighShift = 8 * kVector + (kInput % (8 / F::kHigh)) * F::kHigh;
-    v = _mm512_add_ps(v, _mm512_permutexvar_ps(ShiftRight<kHighShift>(high), high_table));
-  } else if constexpr (F::kBias) {
-    v = _mm512_sub_ps(v, _mm512_set1_ps(static_cast<float>(F::kBias)));
-  }
-  return v;
-}
-
 // Calls fn(std::integral_constant<int, i>) for i in [0, kCount).
 template <int kCount, typename Fn>
 __attribute__((always_inline)) inline void Unroll(Fn&& fn) {
@@ -216,32 +200,49 @@ __attribute__((always_inline)) inline void Unroll(Fn&& fn) {
   }
 }
 
-// The byte rows of the code planes that hold inputs [8 * run, 8 * run + 8)
-// of a tile: per 8 inputs, 8 * low / 8 = low rows of low bits (one row per
-// 8 / low inputs) and high rows of high bits.
+// A run of a tile's inputs: one 32-bit word of low bits per column, 32 /
+// low inputs (kRun: 8 or 16), so run r's low bits of quarter q (16 columns)
+// are the 64-byte line (r * 4 + q) of the plane, input u at bit low * u.
+// Their high bits are in the high plane's word of the run's high chunk
+// (32 / high inputs, one or more runs), at bit 8 * (u / per_byte) + high *
+// (h * per_byte + u % per_byte) for the run's place h in that chunk
+// (quant/kquant.py, _word_positions): so that the gguf-a8 kernel gets each
+// byte's full codes with one shift and mask (q8_matmul.cc).
 template <int64_t kKind>
 struct Run {
-  __m512i low[Format<kKind>::kLow];
-  __m512i high[Format<kKind>::kHigh > 0 ? Format<kKind>::kHigh : 1];
+  using F = Format<kKind>;
+  static constexpr int kRun = 32 / F::kLow;
+  static constexpr int kPerByte = 8 / F::kLow;
+  const uint8_t* low;   // the run's quarter-0 line of low bits
+  const uint8_t* high;  // the run's high chunk's quarter-0 line
+  int high_shift;       // bits of the run's place in its high chunk
 
-  Run() = default;
   Run(const Tile& t, int64_t run) {
-    using F = Format<kKind>;
-    for (int j = 0; j < F::kLow; ++j) low[j] = _mm512_loadu_si512(t.codes + (run * F::kLow + j) * kTileColumns);
+    low = t.codes + run * 4 * kTileColumns;
+    high = nullptr;
+    high_shift = 0;
     if constexpr (F::kHigh > 0) {
-      for (int j = 0; j < F::kHigh; ++j) high[j] = _mm512_loadu_si512(t.high + (run * F::kHigh + j) * kTileColumns);
-    } else {
-      high[0] = _mm512_setzero_si512();
+      constexpr int kChunkHigh = 32 / F::kHigh;
+      const int64_t first = run * kRun;
+      high = t.high + first / kChunkHigh * 4 * kTileColumns;
+      high_shift = F::kHigh * static_cast<int>(first % kChunkHigh / kRun) * kPerByte;
     }
   }
 
-  // Input kInput of the run, 16 columns (vector kVector) as floats.
-  template <int kInput, int kVector>
+  // Input kInput of the run, the 16 columns of quarter kQuarter, as floats.
+  template <int kInput, int kQuarter>
   __m512 Floats(__m512 low_table, __m512 high_table) const {
-    using F = Format<kKind>;
-    return CodeFloats<kKind, kInput, kVector>(low[kInput / (8 / F::kLow)],
-                                              high[F::kHigh > 0 ? kInput / (8 / F::kHigh) : 0], low_table,
-                                              high_table);
+    const __m512i low_bits = _mm512_loadu_si512(low + kQuarter * kTileColumns);
+    __m512 v = _mm512_permutexvar_ps(ShiftRight<F::kLow * kInput>(low_bits), low_table);
+    if constexpr (F::kHigh > 0) {
+      constexpr int kHighBit = 8 * (kInput / kPerByte) + F::kHigh * (kInput % kPerByte);
+      const __m512i high_bits = _mm512_loadu_si512(high + kQuarter * kTileColumns);
+      const __m512i shifted = _mm512_srl_epi32(high_bits, _mm_cvtsi32_si128(kHighBit + high_shift));
+      v = _mm512_add_ps(v, _mm512_permutexvar_ps(shifted, high_table));
+    } else if constexpr (F::kBias) {
+      v = _mm512_sub_ps(v, _mm512_set1_ps(static_cast<float>(F::kBias)));
+    }
+    return v;
   }
 };
 
@@ -313,17 +314,17 @@ void FewRowsGroup(const Problem& p, const Tile* tiles, int64_t g, int64_t row0, 
   for (int r = 0; r < kRows; ++r)
     for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
   const float* x = p.x + row0 * p.in + g * F::kGroup;
-  for (int64_t run = 0; run < F::kGroup / 8; ++run) {
-    const int64_t first = g * F::kGroup / 8 + run;  // the run's index in the tile
-    Run<kKind> runs[kTiles];
-    for (int l = 0; l < kTiles; ++l) runs[l] = Run<kKind>(tiles[l], first);
-    Unroll<8>([&](auto input) {
+  constexpr int kRun = Run<kKind>::kRun;
+  for (int64_t run = 0; run < F::kGroup / kRun; ++run) {
+    const int64_t index = g * (F::kGroup / kRun) + run;  // the run's index in the tile
+    Unroll<kRun>([&](auto input) {
       __m512 xi[kRows];
-      for (int r = 0; r < kRows; ++r) xi[r] = _mm512_set1_ps(x[r * p.in + run * 8 + input]);
+      for (int r = 0; r < kRows; ++r) xi[r] = _mm512_set1_ps(x[r * p.in + run * kRun + input]);
       for (int l = 0; l < kTiles; ++l) {
-        Unroll<4>([&](auto vector) {
-          const __m512 w = runs[l].template Floats<input, vector>(low_table, high_table);
-          for (int r = 0; r < kRows; ++r) acc[r][4 * l + vector] = _mm512_fmadd_ps(w, xi[r], acc[r][4 * l + vector]);
+        const Run<kKind> codes(tiles[l], index);
+        Unroll<4>([&](auto quarter) {
+          const __m512 w = codes.template Floats<input, quarter>(low_table, high_table);
+          for (int r = 0; r < kRows; ++r) acc[r][4 * l + quarter] = _mm512_fmadd_ps(w, xi[r], acc[r][4 * l + quarter]);
         });
       }
     });
@@ -373,14 +374,15 @@ void FewRowsTask(const Problem& p, int64_t tile, int64_t g_begin, int64_t g_end,
 template <int64_t kKind>
 void GroupCodes(const Tile& t, int64_t g, float* w) {
   using F = Format<kKind>;
+  constexpr int kRun = Run<kKind>::kRun;
   const __m512 low_table = LowTable<kKind>(), high_table = HighTable<kKind>();
-  for (int64_t run = 0; run < F::kGroup / 8; ++run) {
-    const Run<kKind> codes(t, g * F::kGroup / 8 + run);
-    float* rows = w + run * 8 * kTileColumns;
-    Unroll<8>([&](auto input) {
-      Unroll<4>([&](auto vector) {
-        _mm512_store_ps(rows + input * kTileColumns + 16 * vector,
-                        codes.template Floats<input, vector>(low_table, high_table));
+  for (int64_t run = 0; run < F::kGroup / kRun; ++run) {
+    const Run<kKind> codes(t, g * (F::kGroup / kRun) + run);
+    float* rows = w + run * kRun * kTileColumns;
+    Unroll<kRun>([&](auto input) {
+      Unroll<4>([&](auto quarter) {
+        _mm512_store_ps(rows + input * kTileColumns + 16 * quarter,
+                        codes.template Floats<input, quarter>(low_table, high_table));
       });
     });
   }
@@ -394,9 +396,12 @@ __attribute__((always_inline)) inline void PrefetchGroup(const Tile& t, int64_t 
     _mm_prefetch(reinterpret_cast<const char*>(t.codes + (g * F::kGroup * F::kLow / 8 + j) * kTileColumns),
                  _MM_HINT_T0);
   }
-  for (int j = 0; j < F::kGroup * F::kHigh / 8; ++j) {
-    _mm_prefetch(reinterpret_cast<const char*>(t.high + (g * F::kGroup * F::kHigh / 8 + j) * kTileColumns),
-                 _MM_HINT_T0);
+  if constexpr (F::kHigh > 0) {  // the group's high lines: whole high chunks, or a part of one
+    constexpr int kLines = F::kGroup * F::kHigh / 8 < 4 ? 4 : F::kGroup * F::kHigh / 8;
+    const int64_t first = g * F::kGroup * F::kHigh / 32 * 4;
+    for (int j = 0; j < kLines; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(t.high + (first + j) * kTileColumns), _MM_HINT_T0);
+    }
   }
 }
 

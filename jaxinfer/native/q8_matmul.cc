@@ -423,25 +423,24 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
 
 // ---------------------------------------------------------------------------
 // K-quant weights (quant/kquant.py: Q2_K .. Q6_K as the file stores them, in
-// tiles of 64 columns with the code planes' 64-byte rows in nibble order:
-// byte 4d + m holds column 16m + d). The "gguf-a8" path of those weights,
-// as llama.cpp multiplies them (its Q8_K activations): activations in int8
-// blocks of one super-block (256 inputs, one scale d_x each), and per
-// super-block s, exactly in int32,
+// tiles of 64 columns, each code plane in 32-bit words of one column). The
+// "gguf-a8" path of those weights, as llama.cpp multiplies them (its Q8_K
+// activations): activations in int8 blocks of one super-block (256 inputs,
+// one scale d_x each), and per super-block s, exactly in int32,
 //
 //   dots[r, o]  = sum_g sub_scale[g, o] * (sum_{i in g} code[i, o] * xq[r, i] - bias * sum_{i in g} xq[r, i])
 //   mins[r, o]  = sum_g sub_min[g, o] * sum_{i in g} xq[r, i]
 //   y[r, o]    += float(dots) * (d[s, o] * d_x[r, s]) - (dmin[s, o] * d_x[r, s]) * float(mins)
 //
 // (kquant_matmul.cc has the formats). The integer sums are exact, so a row's
-// result never depends on the rows beside it. Each group's codes of a tile
-// are unpacked to one unsigned byte each (KQuantQuad: shifts and masks of
-// whole 64-byte rows), four inputs at a time, and transposed as the plain
-// int8 weights are (TransposeRows); since the bytes are in nibble order,
-// vector k's lane 4l + i then holds column 16i + 4l + k, a 4 x 4
-// transposition of the 32-bit elements within each 128-bit lane of the
-// natural order (TransposeDwords), which the scales go through before and
-// the results after.
+// result never depends on the rows beside it. A low word holds a run of 32 /
+// low inputs of one column, input u at bit low * u, so shifting 16 columns'
+// words right by low * n and masking each byte leaves in byte k the code of
+// input k * per_byte + n (per_byte = 8 / low); the high plane is laid out so
+// that one more shift and mask puts the same inputs' high bits above them
+// (quant/kquant.py). Each 32-bit lane then holds 4 inputs' whole codes of one
+// column, in natural column order, as vpdpbusd multiplies them by 4 int8
+// activations, which are stored in the matching order (KQuantOrder).
 namespace kquant {
 
 constexpr int64_t kSuperBlock = 256;
@@ -474,56 +473,49 @@ struct KProblem {
   int64_t rows, in, out_features, code_rows, high_rows, groups, supers;
 };
 
-// The 4 x 4 transposition of 32-bit elements within each 128-bit lane: its own inverse.
-template <typename V>
-void TransposeDwords(V v[4]) {
-  const __m512 a0 = _mm512_castsi512_ps(reinterpret_cast<__m512i&>(v[0]));
-  const __m512 a1 = _mm512_castsi512_ps(reinterpret_cast<__m512i&>(v[1]));
-  const __m512 a2 = _mm512_castsi512_ps(reinterpret_cast<__m512i&>(v[2]));
-  const __m512 a3 = _mm512_castsi512_ps(reinterpret_cast<__m512i&>(v[3]));
-  const __m512 t0 = _mm512_unpacklo_ps(a0, a1), t1 = _mm512_unpackhi_ps(a0, a1);
-  const __m512 t2 = _mm512_unpacklo_ps(a2, a3), t3 = _mm512_unpackhi_ps(a2, a3);
-  const __m512d r0 = _mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2));
-  const __m512d r1 = _mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2));
-  const __m512d r2 = _mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3));
-  const __m512d r3 = _mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3));
-  reinterpret_cast<__m512&>(v[0]) = _mm512_castpd_ps(r0);
-  reinterpret_cast<__m512&>(v[1]) = _mm512_castpd_ps(r1);
-  reinterpret_cast<__m512&>(v[2]) = _mm512_castpd_ps(r2);
-  reinterpret_cast<__m512&>(v[3]) = _mm512_castpd_ps(r3);
-}
-
-// Bits [shift, shift + bits) of every byte of row, in each byte's low bits.
-inline __m512i ByteField(__m512i row, int shift, int bits) {
-  return _mm512_and_si512(_mm512_srli_epi16(row, shift), _mm512_set1_epi8(static_cast<char>((1 << bits) - 1)));
-}
-
-// Inputs [n, n + 4) of a tile (n a multiple of 4) as unsigned codes, one
-// byte each, rows[b] the 64 columns of input n + b in nibble order. The
-// kind a template argument: its bit widths then make every division and
-// shift a constant.
+// Run `run` of a tile (32 / low inputs), slot n: byte k of each column's
+// lane the unsigned code of input k * per_byte + n of the run, the 16
+// columns of quarter q in out[q].
 template <int64_t kKind>
-__attribute__((always_inline)) inline void KQuantQuad(const uint8_t* codes, const uint8_t* high, int64_t n,
-                                                      __m512i rows[4]) {
+__attribute__((always_inline)) inline void RunSlotCodes(const uint8_t* codes, const uint8_t* high, int64_t run,
+                                                        int n, __m512i out[4]) {
   constexpr Shape s = ShapeOf(kKind);
-  constexpr int per_low = 8 / s.low;  // 2 or 4: divides 4, so input n + b sits at b % per_low in its byte
-  // A 1-bit high plane's byte holds 8 inputs: n (a multiple of 4) starts at bit 0 or 4 of it.
-  const int high_first = s.high == 1 ? static_cast<int>(n & 4) : 0;
-#pragma GCC unroll 4
-  for (int b = 0; b < 4; ++b) {
-    const __m512i low = _mm512_loadu_si512(codes + ((n + b) / per_low) * 64);
-    rows[b] = ByteField(low, (b % per_low) * s.low, s.low);
-    if constexpr (s.high > 0) {
-      constexpr int per_high = 8 / (s.high > 0 ? s.high : 1);
-      const __m512i bits = _mm512_loadu_si512(high + ((n + b) / per_high) * 64);
-      const int shift = s.high == 1 ? high_first + b : b * s.high;
-      rows[b] = _mm512_or_si512(rows[b], _mm512_slli_epi16(ByteField(bits, shift, s.high), s.low));
+  constexpr int per_byte = 8 / s.low, run_inputs = 32 / s.low;
+  const __m512i low_mask = _mm512_set1_epi8(static_cast<char>((1 << s.low) - 1));
+  for (int q = 0; q < 4; ++q) {
+    const __m512i low = _mm512_loadu_si512(codes + (run * 4 + q) * 64);
+    out[q] = _mm512_and_si512(_mm512_srl_epi16(low, _mm_cvtsi32_si128(s.low * n)), low_mask);
+  }
+  if constexpr (s.high > 0) {
+    constexpr int chunk = 32 / (s.high > 0 ? s.high : 1);  // inputs per high word
+    const int64_t first = run * run_inputs;
+    const int h = static_cast<int>(first % chunk / run_inputs);
+    const int bit = s.high * (h * per_byte + n);  // the slot's high bits in each byte
+    const __m512i high_mask = _mm512_set1_epi8(static_cast<char>(((1 << s.high) - 1) << s.low));
+    const uint8_t* words = high + first / chunk * 4 * 64;
+    for (int q = 0; q < 4; ++q) {
+      const __m512i bits = _mm512_loadu_si512(words + q * 64);
+      const __m512i placed = bit >= s.low ? _mm512_srl_epi16(bits, _mm_cvtsi32_si128(bit - s.low))
+                                          : _mm512_sll_epi16(bits, _mm_cvtsi32_si128(s.low - bit));
+      out[q] = _mm512_ternarylogic_epi32(out[q], placed, high_mask, 0xF8);  // out | (placed & mask)
     }
   }
 }
 
-// Group g's sub-scales and sub-minimums (integers) of a tile's 64 columns, as
-// int32 in the dots' lane order.
+// xq rows in the order RunSlotCodes gives the weights: within each run of
+// 32 / low inputs, dword n holds inputs n, per_byte + n, 2 * per_byte + n,
+// 3 * per_byte + n.
+void KQuantOrder(std::vector<int8_t>& codes, int64_t low) {
+  const int64_t per_byte = 8 / low, run = 32 / low;
+  std::vector<int8_t> ordered(codes.size());
+  for (int64_t first = 0; first < static_cast<int64_t>(codes.size()); first += run) {
+    for (int64_t n = 0; n < per_byte; ++n)
+      for (int64_t k = 0; k < 4; ++k) ordered[first + 4 * n + k] = codes[first + k * per_byte + n];
+  }
+  codes.swap(ordered);
+}
+
+// Group g's sub-scales and sub-minimums (integers) of a tile's 64 columns, as int32.
 template <int64_t kKind>
 void GroupSubScales(const uint8_t* sub_scales, const uint8_t* sub_mins, int64_t g, __m512i scale[4],
                     __m512i minimum[4]) {
@@ -540,21 +532,18 @@ void GroupSubScales(const uint8_t* sub_scales, const uint8_t* sub_mins, int64_t 
       minimum[k] = _mm512_setzero_si512();
     }
   }
-  TransposeDwords(scale);
-  TransposeDwords(minimum);
 }
 
-// Super-block sb's d (or dmin) of a tile's 64 columns as float32, in the dots' lane order.
+// Super-block sb's d (or dmin) of a tile's 64 columns as float32.
 void SuperScales(const uint16_t* d, int64_t sb, __m512 out[4]) {
   for (int k = 0; k < 4; ++k) {
     out[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + sb * 64 + 16 * k)));
   }
-  TransposeDwords(out);
 }
 
 // Rows [row0, row0 + rows) x the 64 columns of tile `tile`, every super-block.
-// Per super-block the codes of its groups are unpacked and transposed once
-// (into an L1 buffer), and each row's integer sums of sub_scale * (dot - bias
+// Per super-block the codes of its groups are unpacked once (into an L1
+// buffer), and each row's integer sums of sub_scale * (dot - bias
 // * sum(xq)) and of sub_min * sum(xq) over the groups are exact; one
 // float multiply-add per super-block then scales them by d * d_x (dmin * d_x).
 template <int64_t kKind>
@@ -567,22 +556,18 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
   const uint16_t* d = p.d + tile * p.supers * 64;
   const uint16_t* dmin = s.minimums ? p.dmin + tile * p.supers * 64 : nullptr;
   const int64_t quads = s.group / 4, per_super = kSuperBlock / s.group;
-  alignas(64) __m512i weights[kSuperBlock];  // a super-block's transposed codes: 4 vectors per 4 inputs
+  alignas(64) __m512i weights[kSuperBlock];  // a super-block's codes as bytes: 4 vectors (quarters) per 4 inputs
   alignas(64) __m512i scales[16][4], minimums[16][4];
   alignas(64) float acc[kRowBlock * kColumns] = {};
   for (int64_t sb = 0; sb < p.supers; ++sb) {
     for (int64_t gi = 0; gi < per_super; ++gi) {
       const int64_t g = sb * per_super + gi;
-      for (int64_t quad = 0; quad < quads; ++quad) {
-        __m512i four[4];
-        KQuantQuad<kKind>(codes, high, g * s.group + 4 * quad, four);
-        const __m512i a0 = _mm512_unpacklo_epi8(four[0], four[1]), a1 = _mm512_unpackhi_epi8(four[0], four[1]);
-        const __m512i b0 = _mm512_unpacklo_epi8(four[2], four[3]), b1 = _mm512_unpackhi_epi8(four[2], four[3]);
-        __m512i* w = weights + 4 * (gi * quads + quad);
-        w[0] = _mm512_unpacklo_epi16(a0, b0);
-        w[1] = _mm512_unpackhi_epi16(a0, b0);
-        w[2] = _mm512_unpacklo_epi16(a1, b1);
-        w[3] = _mm512_unpackhi_epi16(a1, b1);
+      constexpr int64_t per_byte = 8 / s.low, run_inputs = 32 / s.low;
+      for (int64_t run = 0; run < s.group / run_inputs; ++run) {
+        for (int n = 0; n < per_byte; ++n) {
+          RunSlotCodes<kKind>(codes, high, g * (s.group / run_inputs) + run, n,
+                              weights + 4 * (gi * quads + run * per_byte + n));
+        }
       }
       GroupSubScales<kKind>(sub_scales, sub_mins, g, scales[gi], minimums[gi]);
     }
@@ -625,12 +610,7 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = _mm512_load_ps(acc + r * kColumns + 16 * k);
-    TransposeDwords(v);
-    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(p.out + (row0 + r) * p.out_features + tile * kColumns + 16 * k, v[k]);
-  }
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(acc + r * kColumns, kColumns, p.out + (row0 + r) * p.out_features + tile * kColumns);
 }
 
 ffi::Error Q8KQuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
@@ -694,6 +674,7 @@ ffi::Error Q8KQuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
       p.group_code_sums[r * p.groups + g] = sum;
     }
   }
+  KQuantOrder(p.act.codes, p.shape.low);
   const int64_t row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
   jaxinfer::ParallelFor(thread_pool, row_blocks * tiles, [&p, row_blocks](int64_t task) {
     const int64_t row0 = (task % row_blocks) * kRowBlock;

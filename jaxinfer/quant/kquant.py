@@ -40,12 +40,21 @@ Planes (plain layout; leading axes are stacked layers):
   d         float16 [..., in // 256, out], dmin the same or None
 
 tile  0: as above. 64: every array's out axis cut into tiles of 64 columns
-      stored one after another ([..., out // 64, rows, 64]), so a kernel task
-      (64 columns, every input) reads contiguous runs; the two code planes'
-      64-byte rows also in nibble order (byte 4d + m holds column 16m + d, as
-      quant/tensor.py's int4 tiles), so that a 32-bit shift and a table
-      lookup of 16 floats turn 16 columns' codes into floats
-      (native/kquant_matmul.cc).
+      stored one after another, so that a kernel task (64 columns, every
+      input) reads contiguous runs. The scales as [..., out // 64, rows, 64].
+      The code planes in 32-bit words, one word per column holding 32 / bits
+      inputs: uint8 [..., out // 64, in * bits / 8, 64], where 64-byte line
+      4c + q holds word c of columns 16q .. 16q + 15 (a run of 32 / bits
+      inputs for each). In a low word input u sits at bit low * u; in a
+      high word, which spans one or more runs of low words, input u of its
+      run h at bit 8 * (u / per_byte) + high * (h * per_byte + u % per_byte),
+      per_byte = 8 / low (_word_positions). Why: a 32-bit shift then leaves
+      any input's code of 16 columns in the low bits of their lanes, where a
+      table lookup of 16 floats turns it into floats
+      (native/kquant_matmul.cc); and one shift and mask of a low word and of
+      its high word gives each byte the whole code of one input, 4 inputs a
+      column, as the int8 dot product (vpdpbusd) multiplies them
+      (native/q8_matmul.cc).
 
 activation_block  0 or, for the "gguf-a8" load, 256: the activations are
       rounded to int8 in blocks of a super-block (quant/schemes.py,
@@ -63,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SUPER_BLOCK = 256  # inputs per float16 super-scale, every kind
-NIBBLE_LINE = 64   # bytes of a tiled code plane's row put in nibble order
+TILE = 64          # columns per tile (the kernels' only layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,24 +133,35 @@ class KQuantTensor:
         return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
 
     def tiled(self, tile: int) -> KQuantTensor:
-        """The same weight in tiles of `tile` (64) columns, code planes in
-        nibble order (see the module docstring). Done in numpy on concrete
+        """The same weight in tiles of `tile` (64) columns, the code planes in
+        32-bit words (see the module docstring). Done in numpy on concrete
         arrays, as QuantizedTensor.tiled."""
-        if self.tile or tile != NIBBLE_LINE or self.out_features % tile:
+        if self.tile or tile != TILE or self.out_features % tile:
             raise ValueError(f"cannot tile a {self.kind} tensor of {self.out_features} columns "
                              f"(tile {self.tile}) by {tile}")
+        f = self.format
 
-        def to_tiles(a, plane=False):  # [..., rows, out] -> [..., out // tile, rows, tile]
+        def to_tiles(a):  # [..., rows, out] -> [..., out // tile, rows, tile]
             if a is None:
                 return None
             a = np.asarray(a)
-            a = np.ascontiguousarray(np.swapaxes(a.reshape(*a.shape[:-1], -1, tile), -3, -2))
-            if plane:  # column 16m + d of each line to byte 4d + m
-                lines = a.reshape(*a.shape[:-1], 4, NIBBLE_LINE // 4)
-                a = np.ascontiguousarray(np.swapaxes(lines, -1, -2)).reshape(a.shape)
-            return jnp.asarray(a)
+            return jnp.asarray(np.ascontiguousarray(np.swapaxes(a.reshape(*a.shape[:-1], -1, tile), -3, -2)))
+
+        def plane_to_words(packed, bits, positions):
+            values = _unpack_bits_np(np.asarray(packed), bits).astype(np.uint32)  # [..., in, out]
+            per_word = 32 // bits
+            values = values.reshape(*values.shape[:-2], -1, per_word, values.shape[-1])  # [..., words, u, out]
+            words = np.zeros(values.shape[:-2] + values.shape[-1:], np.uint32)
+            for u in range(per_word):
+                words |= values[..., u, :] << np.uint32(positions[u])
+            # [..., words, out] -> [..., tiles, words, quarters, 16] -> bytes [..., tiles, words * 4, 64]
+            words = words.reshape(*words.shape[:-1], -1, 4, tile // 4)
+            words = np.moveaxis(words, -3, -4)
+            tiles = np.ascontiguousarray(words).astype("<u4").view(np.uint8)
+            return jnp.asarray(tiles.reshape(*tiles.shape[:-3], -1, tile))
+        high = None if self.high is None else plane_to_words(self.high, f.high_bits, _word_positions(f, True))
         return dataclasses.replace(
-            self, codes=to_tiles(self.codes, True), high=to_tiles(self.high, True),
+            self, codes=plane_to_words(self.codes, f.low_bits, _word_positions(f, False)), high=high,
             sub_scales=to_tiles(self.sub_scales), sub_mins=to_tiles(self.sub_mins), d=to_tiles(self.d),
             dmin=to_tiles(self.dmin), tile=tile)
 
@@ -149,18 +169,45 @@ class KQuantTensor:
         """The same weight in the plain layout (itself where it is not tiled)."""
         if not self.tile:
             return self
+        f = self.format
 
-        def from_tiles(a, plane=False):  # [..., out // tile, rows, tile] -> [..., rows, out]
+        def from_tiles(a):  # [..., out // tile, rows, tile] -> [..., rows, out]
             if a is None:
                 return None
-            if plane:  # byte 4d + m of each line back to column 16m + d
-                lines = a.reshape(*a.shape[:-1], NIBBLE_LINE // 4, 4)
-                a = jnp.swapaxes(lines, -1, -2).reshape(a.shape)
             return jnp.swapaxes(a, -3, -2).reshape(*a.shape[:-3], a.shape[-2], -1)
+
+        def words_to_plane(tiles, bits, positions):
+            lines = tiles.reshape(*tiles.shape[:-2], -1, 4, self.tile // 4, 4)  # [..., tiles, words, q, 16, 4]
+            words = jax.lax.bitcast_convert_type(lines, jnp.uint32)  # [..., tiles, words, q, 16]
+            mask = jnp.uint32((1 << bits) - 1)
+            values = jnp.stack([(words >> jnp.uint32(int(pos))) & mask for pos in positions], axis=-3)
+            # [..., tiles, words, u, q, 16] -> [..., words, u, tiles, q, 16] -> [..., in, out]
+            values = jnp.moveaxis(values, -5, -3)
+            values = values.reshape(*values.shape[:-5], -1, values.shape[-3] * values.shape[-2] * values.shape[-1])
+            return pack_bits(values.astype(jnp.uint8), bits)
+        high = None if self.high is None else words_to_plane(self.high, f.high_bits, _word_positions(f, True))
         return dataclasses.replace(
-            self, codes=from_tiles(self.codes, True), high=from_tiles(self.high, True),
+            self, codes=words_to_plane(self.codes, f.low_bits, _word_positions(f, False)), high=high,
             sub_scales=from_tiles(self.sub_scales), sub_mins=from_tiles(self.sub_mins), d=from_tiles(self.d),
             dmin=from_tiles(self.dmin), tile=0)
+
+
+def _word_positions(f: KFormat, high: bool) -> list[int]:
+    """The bit of each input of a tiled plane's 32-bit word (module docstring)."""
+    if not high:
+        return [f.low_bits * u for u in range(32 // f.low_bits)]
+    run, per_byte = 32 // f.low_bits, 8 // f.low_bits
+    positions = []
+    for j in range(32 // f.high_bits):
+        h, u = divmod(j, run)
+        positions.append(8 * (u // per_byte) + f.high_bits * (h * per_byte + u % per_byte))
+    return positions
+
+
+def _unpack_bits_np(packed: np.ndarray, bits: int) -> np.ndarray:
+    per_byte = 8 // bits
+    parts = np.stack([(packed >> (bits * b)) & ((1 << bits) - 1) for b in range(per_byte)], axis=-2)
+    return parts.reshape(*packed.shape[:-2], packed.shape[-2] * per_byte, packed.shape[-1])
 
 
 def pack_bits(values, bits: int):
