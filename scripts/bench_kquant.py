@@ -13,12 +13,10 @@ medians of the rounds are printed with the ratios.
              --prefill-len prompt's prefill step (its tokens / time)
   llama.cpp  `llama-bench -p PREFILL -n OUTPUT -t 1,CORES` (prefill and batch-1
              decode tok/s) and `llama-batched-bench -npp PROMPT -ntg OUTPUT
-             -npl 32 -pps` at 1 and CORES threads (its S_TG: batch-32 decode
-             over one prompt shared by the 32 sequences, so that their
-             prefill does not take minutes
-             tok/s; each decodes over the shared prompt's cache), each the
-             better of the two thread counts, from
-             --llama-cpp-bin, a build of llama.cpp on this machine (not a
+             -npl 32 -pps` (its S_TG: batch-32 decode tok/s, the 32
+             sequences over one shared prompt's cache, so that their prefill
+             does not take minutes), each the better of 1 and CORES threads,
+             from --llama-cpp-bin, a build of llama.cpp on this machine (not a
              dependency)
 
 Bytes: jaxinfer.bench_timing.weight_bytes_per_step (every weight a one-row

@@ -116,7 +116,10 @@ class CpuBackend(XlaBackend):
         head = params.pop("few_row_head", None)
         if head is not None and (isinstance(head, KQuantTensor) or matmul.supports(1, head)):
             params["few_row_head"] = _tiled(head)
-        if isinstance(params.get("lm_head"), KQuantTensor):  # the K-quant kernels read tiles only
+        # An untied head in its blocks (no lookup reads its columns while
+        # "embed" is there): tiled, as the layers, so that a one-row step
+        # streams it (the K-quant kernels read tiles only).
+        if isinstance(params.get("lm_head"), (QuantizedTensor, KQuantTensor)) and "embed" in params:
             params["lm_head"] = _tiled(params["lm_head"])
         _start_kquant_builds(params)
         return params
