@@ -317,16 +317,21 @@ void FewRowsGroup(const Problem& p, const Tile* tiles, int64_t g, int64_t row0, 
   constexpr int kRun = Run<kKind>::kRun;
   for (int64_t run = 0; run < F::kGroup / kRun; ++run) {
     const int64_t index = g * (F::kGroup / kRun) + run;  // the run's index in the tile
-    Unroll<kRun>([&](auto input) {
-      __m512 xi[kRows];
-      for (int r = 0; r < kRows; ++r) xi[r] = _mm512_set1_ps(x[r * p.in + run * kRun + input]);
-      for (int l = 0; l < kTiles; ++l) {
-        const Run<kKind> codes(tiles[l], index);
-        Unroll<4>([&](auto quarter) {
+    // Tile by tile, so that only one tile's code lines are live beside the
+    // accumulators: input by input over all tiles kept every tile's lines
+    // live, more than the 32 registers, and g++ spilled them to the stack
+    // (368 stack accesses in the Q4_K one-row loop). Each accumulator still
+    // takes its inputs in order, so the sums are the same.
+    Unroll<kTiles>([&](auto l) __attribute__((always_inline)) {
+      const Run<kKind> codes(tiles[l], index);
+      Unroll<kRun>([&](auto input) __attribute__((always_inline)) {
+        __m512 xi[kRows];
+        for (int r = 0; r < kRows; ++r) xi[r] = _mm512_set1_ps(x[r * p.in + run * kRun + input]);
+        Unroll<4>([&](auto quarter) __attribute__((always_inline)) {
           const __m512 w = codes.template Floats<input, quarter>(low_table, high_table);
           for (int r = 0; r < kRows; ++r) acc[r][4 * l + quarter] = _mm512_fmadd_ps(w, xi[r], acc[r][4 * l + quarter]);
         });
-      }
+      });
     });
   }
   FoldGroup<kKind, kRows, kVectors>(p, tiles, acc, g, row0, x_sums, result);
@@ -379,8 +384,8 @@ void GroupCodes(const Tile& t, int64_t g, float* w) {
   for (int64_t run = 0; run < F::kGroup / kRun; ++run) {
     const Run<kKind> codes(t, g * (F::kGroup / kRun) + run);
     float* rows = w + run * kRun * kTileColumns;
-    Unroll<kRun>([&](auto input) {
-      Unroll<4>([&](auto quarter) {
+    Unroll<kRun>([&](auto input) __attribute__((always_inline)) {
+      Unroll<4>([&](auto quarter) __attribute__((always_inline)) {
         _mm512_store_ps(rows + input * kTileColumns + 16 * quarter,
                         codes.template Floats<input, quarter>(low_table, high_table));
       });
