@@ -35,6 +35,10 @@ per-group dots for bf16 inputs with a float32 result.
                            Because the int32 accumulation is exact, a row's
                            result does not depend on the rows beside it.
 
+K-quant weights (KQuantTensor, quant/kquant.py: a GGUF's Q2_K .. Q6_K at the
+file's size): dequantized to x.dtype (gguf's values exactly in float32), then
+a matmul; a MixedStack's layer (LayerOf) under a switch on its block type.
+
 Weights with activation_block (the "gguf-a8" load, quant/tensor.py): the
 activations are quantized to int8 blocks first (schemes.int8_blocks) and
 multiplied in float, which is the product the CPU backend's int8 kernel
