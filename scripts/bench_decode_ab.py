@@ -6,7 +6,7 @@ trees never share a process; configurations are interleaved round by round,
 so the VM's drift hits all of them alike. A child loads
 LLM(quantization=Q) on the embedded default model, waits for every bucket's
 compilation (a tree's first run compiles in the background), warms them, and
-reports ms per decode step: the best of 2 timings of N greedy steps of B
+reports ms per decode step (--model: another model instead): the best of 2 timings of N greedy steps of B
 different P-token prompts (128 unless given), minus a 1-step run of the
 same prompts (so prefill does not count). Medians over rounds are printed;
 every run goes to JSON.
@@ -32,7 +32,8 @@ CHILD = """
 import json, sys, time
 from jaxinfer import LLM, SamplingParams
 q, batch, steps, prompt_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-llm = LLM(progress=False, quantization=None if q == "none" else q, max_num_seqs=max(batch, 8))
+model = sys.argv[5] or None
+llm = LLM(model, progress=False, quantization=None if q == "none" else q, max_num_seqs=max(batch, 8))
 llm.wait_compiled()  # a first run of a tree compiles its buckets in the background: not while timing
 prompts = [[1 + (i * 131 + j * 7) % 40000 for j in range(prompt_len)] for i in range(batch)]
 
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--config", action="append", required=True, help="LABEL=TREE[@Q1+Q2] (repeatable)")
     parser.add_argument("--runs", default="gguf:1:64,gguf:32:24", help="Q:B:N entries (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="", help="a model path (default: the embedded default model)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     configs = []
@@ -69,7 +71,8 @@ def main() -> None:
                 if only is not None and q not in only:
                     continue
                 env = dict(os.environ, PYTHONPATH=tree)
-                done = subprocess.run([sys.executable, "-c", CHILD, q, str(batch), str(steps), str(prompt_len)],
+                done = subprocess.run([sys.executable, "-c", CHILD, q, str(batch), str(steps), str(prompt_len),
+                                       args.model],
                                       env=env, cwd=tree, capture_output=True, text=True)
                 if done.returncode != 0:
                     raise SystemExit(f"{label} {q} batch {batch} failed:\n{done.stderr[-2000:]}")

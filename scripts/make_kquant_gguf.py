@@ -1,16 +1,26 @@
-"""Writes a Q4_K_M-like GGUF of a ~0.3B Llama for speed comparisons on K-quant files
-(BENCHMARKS.md, "K-quant files"): hidden 1024, 24 layers of 16 heads (4 KV heads),
-MLP 2816, SmolLM2's tokenizer and 49,152-token vocabulary (copied from the embedded
-default model's GGUF), tied embeddings. Every row length is a multiple of 256, so
-every weight is a K-quant, laid out as llama.cpp's Q4_K_M: Q4_K, with Q6_K for
-attn_v and ffn_down in every other layer and for the embeddings (the head).
+"""Writes a K-quant GGUF of a ~0.3B Llama for speed comparisons (BENCHMARKS.md,
+"K-quant files"): hidden 1024, 24 layers of 16 heads (4 KV heads), MLP 2816,
+SmolLM2's tokenizer and 49,152-token vocabulary (copied from the embedded
+default model's GGUF), tied embeddings. Every row length is a multiple of 256,
+so every weight is a K-quant, each of the type llama.cpp's quantizer gives it
+for --mix (its llama-quant.cpp rules for a non-Falcon model with 4 query heads
+per KV head):
+
+  Q4_K_M  Q4_K; Q6_K for attn_v and ffn_down in the "more bits" layers (the
+          first and last eighth, and every third between)
+  Q5_K_M  Q5_K; Q6_K as Q4_K_M's
+  Q6_K    Q6_K
+  Q3_K_M  Q3_K; attn_v Q5_K in layers 0-1, else Q4_K; ffn_down Q5_K in the first
+          sixteenth, else Q4_K; attn_output Q4_K
+  Q2_K    Q2_K; attn_v Q4_K; ffn_down and attn_output Q3_K
+and Q6_K for the embeddings (the head) in all of them.
 
 The blocks are random (tests/gguf_writer.py, random_k_blocks), so the model's text
 is noise: it measures speed, not quality. No model hub is reachable from the dev
 machines, and the default model's 576-wide rows are not whole K-quant super-blocks
 (llama.cpp quantizes those to other types).
 
-    python scripts/make_kquant_gguf.py /tmp/kquant.gguf
+    python scripts/make_kquant_gguf.py /tmp/kquant.gguf --mix Q4_K_M
     python scripts/bench_cpu.py --model /tmp/kquant.gguf --schemes gguf --batch-sizes 1,8,32
 """
 
@@ -30,6 +40,22 @@ from tests.gguf_writer import random_k_blocks  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, LAYERS, MLP, HEADS, KV_HEADS, VOCAB = 1024, 24, 2816, 16, 4, 49152
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers Q4_K_M / Q5_K_M give Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+# --mix -> (layer, layers) -> {"base": the file's type, weight name: its own type}
+MIXES = {
+    "Q4_K_M": lambda i, n: {"base": Q.Q4_K, **({"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K} if more_bits(i, n) else {})},
+    "Q5_K_M": lambda i, n: {"base": Q.Q5_K, **({"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K} if more_bits(i, n) else {})},
+    "Q6_K": lambda i, n: {"base": Q.Q6_K},
+    "Q3_K_M": lambda i, n: {"base": Q.Q3_K, "attn_v": Q.Q5_K if i < 2 else Q.Q4_K,
+                            "ffn_down": Q.Q5_K if i < n // 16 else Q.Q4_K, "attn_output": Q.Q4_K},
+    "Q2_K": lambda i, n: {"base": Q.Q2_K, "attn_v": Q.Q4_K, "ffn_down": Q.Q3_K, "attn_output": Q.Q3_K},
+}
 VALUE_WRITERS = {gguf.GGUFValueType.ARRAY: "add_array", gguf.GGUFValueType.STRING: "add_string",
                  gguf.GGUFValueType.UINT32: "add_uint32", gguf.GGUFValueType.BOOL: "add_bool"}
 
@@ -38,6 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="the .gguf file to write")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mix", default="Q4_K_M", choices=sorted(MIXES), help="llama.cpp's file type to lay out")
     args = parser.parse_args()
     head_dim = HIDDEN // HEADS
     writer = gguf.GGUFWriter(args.out, "llama")
@@ -59,14 +86,14 @@ def main() -> None:
     writer.add_tensor("token_embd.weight", random_k_blocks(rng, Q.Q6_K, VOCAB, HIDDEN), raw_dtype=Q.Q6_K)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     for i in range(LAYERS):
-        more_bits = Q.Q6_K if i % 2 == 0 else Q.Q4_K
-        weights = {"attn_q": (HIDDEN, HIDDEN, Q.Q4_K), "attn_k": (KV_HEADS * head_dim, HIDDEN, Q.Q4_K),
-                   "attn_v": (KV_HEADS * head_dim, HIDDEN, more_bits), "attn_output": (HIDDEN, HIDDEN, Q.Q4_K),
-                   "ffn_gate": (MLP, HIDDEN, Q.Q4_K), "ffn_up": (MLP, HIDDEN, Q.Q4_K),
-                   "ffn_down": (HIDDEN, MLP, more_bits)}
+        types = MIXES[args.mix](i, LAYERS)
+        weights = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+                   "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+                   "ffn_gate": (MLP, HIDDEN), "ffn_up": (MLP, HIDDEN), "ffn_down": (HIDDEN, MLP)}
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
-        for name, (rows, columns, qtype) in weights.items():
+        for name, (rows, columns) in weights.items():
+            qtype = types.get(name, types["base"])
             writer.add_tensor(f"blk.{i}.{name}.weight", random_k_blocks(rng, qtype, rows, columns), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -72,14 +72,21 @@ def quantized(array: np.ndarray, qtype, hf_name: str = "") -> bool:
     return array.ndim >= 2 and array.shape[-1] % block == 0 and not hf_name.endswith(FLOAT_TENSORS)
 
 
+# Per K-quant type: (byte offset of an f16 super-block scale in a block (d,
+# then dmin where the type has one), the magnitude it is drawn around), from
+# ggml's block layouts.
+Q = gguf.GGMLQuantizationType
+K_SUPER_SCALES = {Q.Q2_K: [(80, 0.003), (82, 0.002)], Q.Q3_K: [(108, 0.003)], Q.Q4_K: [(0, 0.003), (2, 0.002)],
+                  Q.Q5_K: [(0, 0.003), (2, 0.002)], Q.Q6_K: [(208, 2e-4)]}
+
+
 def random_k_blocks(rng, qtype, out_dim: int, in_dim: int) -> np.ndarray:
     """Valid K-quant blocks of an [out, in] matrix: random codes and sub-block
     scales, with the f16 super-block scales set to modest values (gguf has no
     K-quant quantizer to make them from weights)."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (out_dim, in_dim // block_size, type_size), dtype=np.uint8)
-    # (byte offset of an f16 super-block scale, its size)
-    fields = [(208, 2e-4)] if qtype == gguf.GGMLQuantizationType.Q6_K else [(0, 0.003), (2, 0.002)]
+    fields = K_SUPER_SCALES[gguf.GGMLQuantizationType(qtype)]
     for offset, scale in fields:
         values = rng.uniform(0.5, 1.5, raw.shape[:2]) * scale
         raw[..., offset:offset + 2] = values.astype("<f2")[..., None].view(np.uint8)

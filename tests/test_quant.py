@@ -11,6 +11,7 @@ import pytest
 
 import jaxinfer
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.backends import XlaBackend
 from jaxinfer.loading.gguf import blocks_to_quantized, unpermute_rows
 from jaxinfer.loading.model import Model
 from jaxinfer.native import matmul as cpu_matmul
@@ -192,9 +193,10 @@ def test_gguf_k_quant_blocks_repack_exactly(qtype, heads):
 
 def test_gguf_k_quant_model_loads_quantized(tmp_path):
     """A Q4_K_M-like file (Q4_K, with Q6_K for layer 1's attn_v and ffn_down
-    and Q5_K for layer 0's ffn_up): every linear weight stays quantized (the
-    mixed ones as one regrouped int8 stack), with logits equal to the
-    dequantized float load's."""
+    and Q5_K for layer 0's ffn_up) on a backend without K-quant kernels
+    (XlaBackend; the CPU keeps the file's own form: tests/test_kquant.py):
+    every linear weight stays quantized (the mixed ones as one regrouped int8
+    stack), with logits equal to the dequantized float load's."""
     hf_model = make_hf_model("llama_kquant", seed=13)
     rng = np.random.default_rng(6)
     override = {}
@@ -205,8 +207,8 @@ def test_gguf_k_quant_model_loads_quantized(tmp_path):
                      "blk.0.ffn_up.weight": Q.Q5_K}.get(target, Q.Q4_K)
             override[target] = (random_k_blocks(rng, qtype, *param.shape), qtype)
     path = write_gguf(hf_model, tmp_path / "m.gguf", tensor_type_override=override)
-    direct = jaxinfer.load(str(path), progress=False, quantization="gguf")
-    reference = jaxinfer.load(str(path), progress=False, quantization=None)
+    direct = jaxinfer.load(str(path), "float32", progress=False, quantization="gguf", backend=XlaBackend())
+    reference = jaxinfer.load(str(path), "float32", progress=False, quantization=None, backend=XlaBackend())
     for key in LINEAR_KEYS:
         w = direct.params["layers"][key]
         assert isinstance(w, QuantizedTensor), key

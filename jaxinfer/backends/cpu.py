@@ -3,10 +3,14 @@ serve, the plain XLA path (backends/xla.py) everywhere else.
 
   loading      quantization="auto" keeps a GGUF file's own blocks (the same
                numbers as the dequantized floats in a third of the bytes,
-               multiplied by the kernels without a float copy); a "gguf"
-               load keeps the head float (XLA casts a quantized head to
-               float whole on every step), plus a tied model's head in the
-               file's blocks for the kernel at a few rows (few_row_head).
+               multiplied by the kernels without a float copy); K-quants
+               (Q2_K .. Q6_K) at the file's size (quant/kquant.py), a
+               weight mixing block types one stack per type
+               (quant/mixed_stack.py); an untied head in its blocks (a
+               100k-vocabulary float head would be most of a decode
+               step's bytes), a tied one's float table for the lookup and
+               past FEW_ROW_HEAD_MAX_ROWS rows, plus its blocks for the
+               kernels up to there (few_row_head).
                The quantized layer weights the exact kernel multiplies are
                stored in its tiles of columns (quant/tensor.py, `tile`).
   layer loop   lax.scan over the stacked layers; quantized weights (and a
@@ -17,11 +21,13 @@ serve, the plain XLA path (backends/xla.py) everywhere else.
                them where a token reads a few).
   operations   native/matmul.py for quantized layer weights (the exact
                kernel up to max_rows() rows, q, k and v in one call; the
-               int8-activation kernel for "gguf-a8" weights), a MoE's
-               experts through native/expert_matmul.py (float32) and
+               int8-activation kernel for "gguf-a8" weights),
+               native/kquant_matmul.py for K-quant ones (the same two
+               paths; a mixed stack's layer under a switch on its type), a
+               MoE's experts through native/expert_matmul.py (float32) and
                native/matmul.py's expert entry (int8 / int4), reading only
-               the selected experts, the head
-               through the same kernels where they pay, and
+               the selected experts, the head through the same kernels
+               where they pay, and
                native/paged_attention.py for attention_backend="xla".
   settings     glibc keeps freed host memory (backends/host_memory.py); the
                kernels build on threads while the weights load.
@@ -46,9 +52,12 @@ from jaxinfer.backends.xla import XlaBackend
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.paged_attention import (PagedAttentionMetadata, paged_cache_attention, verification_attention,
                                              write_new_kv)
-from jaxinfer.native import expert_matmul, matmul, paged_attention
+from jaxinfer.native import expert_matmul, kquant_matmul, matmul, paged_attention
+from jaxinfer.native.build import cpu_has
+from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import linear
+from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.params import ROUTED_KEYS, quantize_weight
 from jaxinfer.quant.schemes import int8_blocks
 from jaxinfer.quant.tensor import QuantizedTensor
@@ -82,7 +91,15 @@ class CpuBackend(XlaBackend):
         return "gguf" if hasattr(source, "get_quantized") else None
 
     def keeps_gguf_head_quantized(self) -> bool:
-        return False
+        """An untied head the file stores in blocks stays in them, multiplied
+        by the native kernels at every row count they take (a 151,936 x 896
+        vocabulary in float32 is 545 MB a decode step; as Q6_K, 112 MB)."""
+        return self.native
+
+    def keeps_k_quants_as_stored(self) -> bool:
+        """K-quants at the file's size, multiplied by native/kquant_matmul.cc
+        (and q8_matmul.cc's K-quant handler), which need AVX-512."""
+        return self.native and cpu_has("avx512f")
 
     def wants_tied_head_as_stored(self, quantization: str | None) -> bool:
         return self.native and quantization == "gguf"
@@ -101,8 +118,14 @@ class CpuBackend(XlaBackend):
         for key in layers:
             layers[key] = _tiled(layers[key])
         head = params.pop("few_row_head", None)
-        if head is not None and matmul.supports(1, head):
+        if head is not None and (isinstance(head, KQuantTensor) or matmul.supports(1, head)):
             params["few_row_head"] = _tiled(head)
+        # An untied head in its blocks (no lookup reads its columns while
+        # "embed" is there): tiled, as the layers, so that a one-row step
+        # streams it (the K-quant kernels read tiles only).
+        if isinstance(params.get("lm_head"), (QuantizedTensor, KQuantTensor)) and "embed" in params:
+            params["lm_head"] = _tiled(params["lm_head"])
+        _start_kquant_builds(params)
         return params
 
     # -- process and engine settings ---------------------------------------------
@@ -126,7 +149,8 @@ class CpuBackend(XlaBackend):
     def run_layers(self, body, carry, layers: dict, num_layers: int):
         if not self.native:
             return super().run_layers(body, carry, layers, num_layers)
-        stacked = {k: w for k, w in layers.items() if isinstance(w, QuantizedTensor) or k in ROUTED_KEYS}
+        stacked = {k: w for k, w in layers.items()
+                   if isinstance(w, (QuantizedTensor, KQuantTensor, MixedStack)) or k in ROUTED_KEYS}
         sliced = {k: w for k, w in layers.items() if k not in stacked}
 
         def with_stacked(carry, p, layer_index):
@@ -140,6 +164,10 @@ class CpuBackend(XlaBackend):
             return linear(x, w)
         rows = math.prod(x.shape[:-1])
         stacked = w.stacked
+        if isinstance(stacked, MixedStack):  # the branch of the layer's block type runs
+            return stacked.apply(w.index, lambda part, index: self.linear(x, LayerOf(part, index)))
+        if isinstance(stacked, KQuantTensor):
+            return self._kquant_linear(x, stacked, w.index, rows)
         if stacked.activation_block and matmul.supports_q8(rows, stacked):
             y = matmul.q8_matmul(x.reshape(rows, -1), stacked, w.index)
             return y.astype(x.dtype).reshape(*x.shape[:-1], stacked.out_features)
@@ -151,11 +179,38 @@ class CpuBackend(XlaBackend):
             return y.astype(x.dtype).reshape(*x.shape[:-1], stacked.out_features)
         return linear(x, w.layer())
 
+    def _kquant_linear(self, x, w: KQuantTensor, layer_index, rows: int):
+        """x @ layer layer_index of a K-quant stack: the int8-activation kernel
+        for "gguf-a8" weights, else the exact one (on the int8-rounded
+        activations where the weight has an activation block: the same
+        numbers), else the XLA path."""
+        x2 = x.reshape(rows, -1)
+        if w.activation_block and kquant_matmul.supports_q8(rows, w):
+            y = kquant_matmul.q8_kquant_matmul(x2, w, layer_index)
+        elif kquant_matmul.supports(rows, w):
+            xq = int8_blocks(x2, w.activation_block) if w.activation_block else x2
+            y = kquant_matmul.kquant_matmul(xq, w, layer_index)
+        else:
+            return linear(x, LayerOf(w, layer_index).layer())
+        return y.astype(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
     def linears(self, x, ws: list) -> list:
         """One kernel call for every weight where the kernel takes them all
         together (one layer each of stacked weights, the same layer, no
-        activation block: matmul.supports_together)."""
+        activation block: matmul.supports_together; K-quant stacks of any
+        kinds together: kquant_matmul). A weight stored one stack per block
+        type (MixedStack) goes on its own, the others together."""
         rows = math.prod(x.shape[:-1])
+        if any(isinstance(w, LayerOf) and isinstance(w.stacked, MixedStack) for w in ws):
+            alone = [isinstance(w, LayerOf) and isinstance(w.stacked, MixedStack) for w in ws]
+            rest = [w for w, a in zip(ws, alone) if not a]
+            together = iter(self.linears(x, rest) if rest else [])
+            return [self.linear(x, w) if a else next(together) for w, a in zip(ws, alone)]
+        if (len(ws) > 1 and all(isinstance(w, LayerOf) and isinstance(w.stacked, KQuantTensor)
+                                and w.index is ws[0].index and not w.stacked.activation_block
+                                and kquant_matmul.supports(rows, w.stacked) for w in ws)):
+            ys = kquant_matmul.kquant_matmuls(x.reshape(rows, -1), [w.stacked for w in ws], ws[0].index)
+            return [y.astype(x.dtype).reshape(*x.shape[:-1], w.stacked.out_features) for y, w in zip(ys, ws)]
         if (len(ws) > 1 and all(isinstance(w, LayerOf) and w.index is ws[0].index for w in ws)
                 and not any(w.stacked.activation_block for w in ws)
                 and matmul.supports_together(rows, [w.stacked for w in ws])):
@@ -194,10 +249,10 @@ class CpuBackend(XlaBackend):
             return super().logits(params, hidden)
         few_row_head = params.get("few_row_head")
         rows = math.prod(hidden.shape[:-1])
-        if few_row_head is not None and rows <= FEW_ROW_HEAD_MAX_ROWS and matmul.supports(rows, few_row_head):
+        if few_row_head is not None and rows <= FEW_ROW_HEAD_MAX_ROWS and _kernel_takes(rows, few_row_head):
             return self.linear(hidden, _in_place(few_row_head)).astype(jnp.float32)
         head = params.get("lm_head")
-        if isinstance(head, QuantizedTensor) and head.data.ndim == 2:
+        if isinstance(head, (QuantizedTensor, KQuantTensor)) and len(head.shape) == 2:
             return self.linear(hidden, _in_place(head)).astype(jnp.float32)
         return super().logits(params, hidden)
 
@@ -264,14 +319,40 @@ class CpuBackend(XlaBackend):
 
 
 def _tiled(w):
-    """w in the exact kernel's tiles where the kernel multiplies it (matmul.tileable, and a MoE's
-    experts: tileable_experts), else as it is."""
+    """w in the exact kernel's tiles where the kernel multiplies it
+    (matmul.tileable, and a MoE's experts: tileable_experts; K-quants
+    wherever their kernels run: they read tiles only), else as it is; each
+    part of a MixedStack so."""
+    if isinstance(w, MixedStack):
+        return w.replace_parts(_tiled)
+    if isinstance(w, KQuantTensor):
+        return w.tiled(kquant_matmul.TILE) if kquant_matmul.tileable(w) else w
     if isinstance(w, QuantizedTensor) and (matmul.tileable(w) or matmul.tileable_experts(w)):
         return w.tiled(matmul.TILE)
     return w
 
 
-def _in_place(head: QuantizedTensor) -> LayerOf:
+def _kernel_takes(rows: int, head) -> bool:
+    """Whether a native kernel multiplies `rows` rows by a head (a [hidden, vocab] weight)."""
+    if isinstance(head, KQuantTensor):
+        return kquant_matmul.supports(rows, head) or (head.activation_block and kquant_matmul.supports_q8(rows, head))
+    return matmul.supports(rows, head)
+
+
+def _start_kquant_builds(params: dict) -> None:
+    """Build the K-quant kernels on threads where the params hold K-quants
+    (only then: each is ~15 s of a machine's first start), while the
+    engine's programs are traced."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, KQuantTensor))
+    kquants = [w for w in leaves if isinstance(w, KQuantTensor)]
+    builds = [kquant_matmul.available] if kquants else []
+    if any(w.activation_block for w in kquants):
+        builds.append(kquant_matmul.q8_available)
+    for available in builds:
+        threading.Thread(target=available, daemon=True).start()
+
+
+def _in_place(head) -> LayerOf:
     """A quantized [hidden, vocab] head as the one layer of a stack, so that a
     native kernel reads it in place (a leading axis of 1 is a free reshape)."""
     return LayerOf(jax.tree.map(lambda a: a[None], head), jnp.int32(0))

@@ -39,7 +39,9 @@ import numpy as np
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.paged_attention import (PagedAttentionMetadata, check_attention_backend, paged_cache_attention,
                                              verification_attention)
+from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import grouped_linear, linear
+from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.utils import powers_of_two
 
 
@@ -103,6 +105,15 @@ class XlaBackend:
         blocks (else it is loaded float)."""
         return True
 
+    def keeps_k_quants_as_stored(self) -> bool:
+        """Whether a "gguf" load holds a file's K-quant weights (Q2_K .. Q6_K)
+        as stored (quant/kquant.py: the file's size, multiplied by a kernel
+        that expands them) and a weight whose layers mix block types one
+        stack per type (quant/mixed_stack.py); else as int8 / int4 groups
+        (Q4_K, Q5_K, Q6_K; mixed stacks widened to int8) or dequantized
+        (Q2_K, Q3_K). Here (every platform without such a kernel): no."""
+        return False
+
     def wants_tied_head_as_stored(self, quantization: str | None) -> bool:
         """Whether a load that dequantizes a tied model's head also keeps the
         file's own blocks of it as params["few_row_head"] (a CPU kernel's)."""
@@ -151,12 +162,19 @@ class XlaBackend:
         """carry = body(carry, p, layer_index) for each layer in order, where p
         holds that layer's weights (layers' leaves without their layer axis)
         and layer_index is an int32 scalar (traced here)."""
+        # A weight stored one stack per format (a GGUF that mixes block types
+        # within it) cannot be sliced by the scan: it reaches the body whole,
+        # with the layer index (quant/mixed_stack.py).
+        mixed = {k: w for k, w in layers.items() if isinstance(w, MixedStack)}
+        scanned = {k: w for k, w in layers.items() if k not in mixed}
+
         def step(carry, per_layer):
             p, layer_index = per_layer
+            p = {**p, **{k: LayerOf(w, layer_index) for k, w in mixed.items()}}
             return body(carry, p, layer_index), None
 
         with self.precision():
-            carry, _ = jax.lax.scan(step, carry, (layers, jnp.arange(num_layers, dtype=jnp.int32)))
+            carry, _ = jax.lax.scan(step, carry, (scanned, jnp.arange(num_layers, dtype=jnp.int32)))
         return carry
 
     # -- operations ----------------------------------------------------------------

@@ -5,7 +5,9 @@ dequantized to float one at a time on request, and llama.cpp's Q/K row
 permutation is undone for the "llama" architecture so the HF rotary pairing in
 models/layers.py applies. Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights can instead
 be read straight into a QuantizedTensor (`get_quantized`), repacking the block
-codes and scales so that the values stay exactly the file's.
+codes and scales so that the values stay exactly the file's, and the K-quants
+(Q2_K .. Q6_K) into a KQuantTensor that holds them at the file's size
+(blocks_to_kquant, quant/kquant.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.loading.gguf_file import GGUFFile
+from jaxinfer.quant.kquant import FORMATS, KQuantTensor, pack_bits
 from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
 
 # GGUF `general.architecture` -> ours. Mistral GGUFs say "llama", and so do
@@ -29,11 +32,16 @@ _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2mo
 # where a file sets it, says so explicitly).
 _NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 
-# Tensor types we dequantize with gguf.quants (the ones the issue names plus the
-# other classic and k-quant block formats the package implements in numpy).
+# Tensor types we dequantize with gguf.quants: every block format llama.cpp's
+# quantizer writes that the package implements in numpy (the classic and
+# K-quant blocks, the i-quants, the ternary and FP4 ones). The rest (its
+# internal Q8_1 / Q8_K, integer and float64 tensors, formats newer than the
+# package) fail with an error naming the type and these.
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
-    [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+    [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+     Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS, Q.TQ1_0, Q.TQ2_0,
+     *(getattr(Q, name) for name in ("MXFP4", "NVFP4") if hasattr(Q, name))]
 )
 
 # Block types that map onto a QuantizedTensor without loss: (scheme, rows per scale).
@@ -187,6 +195,83 @@ def _codes(blocks: np.ndarray, qtype):
     return codes, d, minimum
 
 
+# K-quant block types held as stored (quant/kquant.py): the byte offsets of
+# the f16 d and dmin in a block, and a block whose codes come out as what
+# gguf's dequantizer writes when every sub-scale is 1 and every minimum 0
+# (_unit_blocks).
+K_QUANT_KINDS = {Q.Q2_K: "q2_k", Q.Q3_K: "q3_k", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
+_K_D_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108, None), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None)}
+
+
+def _unit_blocks(blocks: np.ndarray, qtype) -> np.ndarray:
+    """A copy of K-quant `blocks` with d = 1, dmin = 0 and every sub-scale 1:
+    gguf's dequantizer then writes each weight's signed code (code - bias)."""
+    unit = blocks.copy()
+    d_at, dmin_at = _K_D_AT[qtype]
+    unit[..., d_at:d_at + 2] = _F16_ONE
+    if dmin_at is not None:
+        unit[..., dmin_at:dmin_at + 2] = 0
+    if qtype == Q.Q2_K:
+        unit[..., 0:16] = 0x01  # scale 1 in the low nibble, minimum 0 in the high
+    elif qtype == Q.Q3_K:  # 6-bit scale 33 (= 1 + 32): low nibbles 1, high 2-bit fields 2
+        unit[..., 96:104] = 0x11
+        unit[..., 104:108] = 0xAA
+    else:
+        _, _, sub_at, ones = _UNIT_SCALES[qtype]
+        unit[..., sub_at:sub_at + ones.size] = ones
+    return unit
+
+
+def _k_sub_scales(blocks: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray | None]:
+    """[..., n, bytes] K-quant blocks -> (sub-scale bytes [..., n * groups], sub-minimums or None),
+    as quant/kquant.py holds them."""
+    groups = (*blocks.shape[:-1], -1)
+    if qtype == Q.Q2_K:  # the file's byte: scale | minimum << 4
+        return np.ascontiguousarray(blocks[..., 0:16]).reshape(groups), None
+    if qtype == Q.Q6_K:
+        return np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(groups), None
+    if qtype == Q.Q3_K:
+        # The 6-bit scales, read by gguf's dequantizer: with d = 1 and every
+        # code 1 (low bits 01, high bit set) each weight is its group's scale - 32.
+        ones = blocks.copy()
+        ones[..., 108:110] = _F16_ONE
+        ones[..., 0:32] = 0xFF
+        ones[..., 32:96] = 0x55
+        values = gguf.quants.dequantize(ones.reshape(-1, blocks.shape[-1]), qtype).reshape(-1, 16, 16)[..., 0]
+        return values.astype(np.int8).reshape(groups), None
+    sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+    return sc.astype(np.uint8).reshape(groups), m.astype(np.uint8).reshape(groups)
+
+
+def blocks_to_kquant(raw: np.ndarray, qtype, out_dim: int, in_dim: int,
+                     unpermute_heads: int | None = None) -> KQuantTensor:
+    """Raw K-quant blocks of an [out, in] matrix -> KQuantTensor [in, out]
+    (numpy leaves) holding the same codes and scales (quant/kquant.py): its
+    dequantize() is gguf's, bit for bit. The codes come from gguf's own
+    dequantizer (_unit_blocks), so the bit layout stays the library's."""
+    qtype = gguf.GGMLQuantizationType(qtype)
+    kind = K_QUANT_KINDS[qtype]
+    f = FORMATS[kind]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.asarray(raw, np.uint8).reshape(out_dim, in_dim // block_size, type_size)
+    codes = gguf.quants.dequantize(_unit_blocks(blocks, qtype).reshape(-1, type_size), qtype)
+    codes = (codes.astype(np.int32) + f.bias).astype(np.uint8).reshape(out_dim, in_dim)
+    sub_scales, sub_mins = _k_sub_scales(blocks, qtype)
+    sub_scales = sub_scales.reshape(out_dim, in_dim // f.group)
+    sub_mins = None if sub_mins is None else sub_mins.reshape(out_dim, in_dim // f.group)
+    d_at, dmin_at = _K_D_AT[qtype]
+    d = np.ascontiguousarray(blocks[..., d_at:d_at + 2]).view("<f2")[..., 0]
+    dmin = None if dmin_at is None else np.ascontiguousarray(blocks[..., dmin_at:dmin_at + 2]).view("<f2")[..., 0]
+    rows = [codes, sub_scales, sub_mins, d, dmin]
+    if unpermute_heads:
+        rows = [None if a is None else unpermute_rows(a, unpermute_heads) for a in rows]
+    codes, sub_scales, sub_mins, d, dmin = (None if a is None else np.ascontiguousarray(a.T) for a in rows)
+    low = codes & ((1 << f.low_bits) - 1)
+    high = pack_bits(codes >> f.low_bits, f.high_bits) if f.high_bits else None
+    return KQuantTensor(pack_bits(low, f.low_bits), high, sub_scales, sub_mins, d.astype(np.float16),
+                        None if dmin is None else dmin.astype(np.float16), kind)
+
+
 def config_from_gguf(reader: GGUFFile, path) -> ModelConfig:
     arch = reader.fields.get("general.architecture")
     if arch not in _ARCHITECTURES:
@@ -281,20 +366,28 @@ class GGUFTensors:
             return self._config.num_heads if "q_proj" in name else self._config.num_kv_heads
         return None
 
-    def get_quantized(self, name: str) -> QuantizedTensor | None:
+    def get_quantized(self, name: str, k_quants_as_stored: bool = False) -> QuantizedTensor | KQuantTensor | None:
         """The tensor as a QuantizedTensor in params layout [in, out] (numpy
-        leaves), or None when its GGUF type has no direct form."""
+        leaves), or None when its GGUF type has no direct form.
+        k_quants_as_stored: a K-quant (Q2_K .. Q6_K) as a KQuantTensor
+        (quant/kquant.py, the file's size) instead."""
         tensor = self._tensors[name]
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
-        if qtype not in DIRECT_TYPES or len(tensor.shape) not in (2, 3):
+        if len(tensor.shape) not in (2, 3):
             return None
         in_dim, out_dim = (int(d) for d in tensor.shape[:2])  # ggml lists the fastest dim first
         if len(tensor.shape) == 3:  # a MoE's experts [experts, out, in]: each expert's blocks, stacked
+            if qtype not in DIRECT_TYPES:
+                return None
             experts = [blocks_to_quantized(raw, qtype, out_dim, in_dim) for raw in tensor.data]
             first = experts[0]
             return QuantizedTensor(np.stack([e.data for e in experts]), np.stack([e.scales for e in experts]),
                                    None if first.offsets is None else np.stack([e.offsets for e in experts]),
                                    first.scheme, first.group_size)
+        if k_quants_as_stored and qtype in K_QUANT_KINDS:
+            return blocks_to_kquant(tensor.data, qtype, out_dim, in_dim, self._unpermute_heads(name))
+        if qtype not in DIRECT_TYPES:
+            return None
         return blocks_to_quantized(tensor.data, qtype, out_dim, in_dim, self._unpermute_heads(name))
 
     def get(self, name: str) -> np.ndarray:

@@ -10,7 +10,9 @@ host memory never holds more than one tensor.
 Linear weights may come out as QuantizedTensors (quant/tensor.py), stacked
 per layer like arrays: `quantization="gguf"` keeps a GGUF file's Q8_0 / Q4_0 /
 Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K blocks (sources offering `get_quantized`; the head where
-the backend keeps it so, backends/),
+the backend keeps it so, backends/; where the backend keeps K-quants as stored, Q2_K .. Q6_K
+as KQuantTensors at the file's size, quant/kquant.py, and a weight whose layers mix block
+types as one stack per type, quant/mixed_stack.py),
 "gguf-a8" the same with the head and int8 activations (GGUF_QUANTIZATIONS), and "int8" | "int4" | "fp8" |
 "w8a8" quantize each float32 weight as it is read (round to nearest, as
 quant/params.py's quantize_params; the head stays float except for the
@@ -46,6 +48,8 @@ from jaxinfer.errors import CheckpointError
 from jaxinfer.models.llama import param_shapes
 from jaxinfer.models.moe import moe_param_shapes
 from jaxinfer.parallel.mesh import tensor_parallel_size
+from jaxinfer.quant.kquant import KQuantTensor
+from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.params import HEAD_SCHEMES, QUANTIZED_KEYS, quantize_weight, with_int8_activations
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor, as_int8_groups
 
@@ -236,11 +240,12 @@ _swap_last_axes = jax.jit(lambda a: jnp.swapaxes(a, -1, -2))  # a 2-D weight or 
 
 
 def _read_direct(source: TensorSource, name: str, expected_shape: tuple, placement: _Placement | None = None,
-                 path: str = "", layer: bool = False) -> QuantizedTensor | None:
-    """The checkpoint's own quantized form of a linear weight, on the device, or None."""
+                 path: str = "", layer: bool = False, k_quants: bool = False) -> QuantizedTensor | KQuantTensor | None:
+    """The checkpoint's own quantized form of a linear weight, on the device,
+    or None; k_quants: K-quant blocks as stored (KQuantTensor; one device only)."""
     if name not in source.names():
         raise CheckpointError(f"{source.description} lacks tensor {name}")
-    q = source.get_quantized(name)
+    q = source.get_quantized(name, k_quants_as_stored=True) if k_quants else source.get_quantized(name)
     if q is None:
         return None
     _check_shape(source, name, q.shape, True, expected_shape)
@@ -250,12 +255,12 @@ def _read_direct(source: TensorSource, name: str, expected_shape: tuple, placeme
 
 
 def _read_quantized(source, name: str, expected_shape: tuple, quantization: str,
-                    placement: _Placement | None = None, path: str = "") -> QuantizedTensor | None:
+                    placement: _Placement | None = None, path: str = "", k_quants: bool = False):
     """A linear weight [in, out] quantized per `quantization` (None from "gguf"
     when the stored type has no direct form). RTN starts from float32, not
     from the requested dtype, so bfloat16 loads do not round twice."""
     if quantization in GGUF_QUANTIZATIONS:
-        return _read_direct(source, name, expected_shape, placement, path, layer=True)
+        return _read_direct(source, name, expected_shape, placement, path, layer=True, k_quants=k_quants)
     w = _read(source, name, True, expected_shape, np.float32, placement, path, layer=True)
     if placement is None:
         return quantize_weight(w, quantization, name=name)
@@ -266,7 +271,10 @@ def _stack(per_layer: list):
     return jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *per_layer)
 
 
-def _kind(w: QuantizedTensor):
+def _kind(w: QuantizedTensor | KQuantTensor):
+    """What must agree for layers to stack as one array."""
+    if isinstance(w, KQuantTensor):
+        return (w.kind,)
     return w.scheme, w.group_size, w.offsets is None
 
 
@@ -280,6 +288,14 @@ def _stored_layers(config: ModelConfig, key: str) -> range | tuple:
     if key in moe_param_shapes(config):
         return config.sparse_layers
     return range(config.num_layers)
+
+
+def _every_layer(per_layer: list, stored, num_layers: int) -> list:
+    """The weights read for the `stored` layers, zeros (in the first's form) for the others."""
+    if len(stored) == num_layers:
+        return per_layer
+    read = dict(zip(stored, per_layer))
+    return [read[i] if i in read else _zeros_like(per_layer[0]) for i in range(num_layers)]
 
 
 def _zeros_like(w):
@@ -303,6 +319,10 @@ def build_params(
     if quantization in GGUF_QUANTIZATIONS and not hasattr(source, "get_quantized"):
         raise ValueError(f'quantization="{quantization}" needs a GGUF checkpoint; {source.description} is not one')
     placement = None if mesh is None else _Placement(config, mesh)
+    # K-quant blocks as stored, and mixed block types one stack per type,
+    # where the backend multiplies them so (on one device: the stacks are
+    # not split over a mesh).
+    k_quants = backend.keeps_k_quants_as_stored() and placement is None
     shapes = param_shapes(config)
     total = len(shapes["layers"]) * config.num_layers + len(shapes) - 1
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
@@ -319,7 +339,7 @@ def build_params(
         # kernel multiplies it as stored.
         keep_head = key == "lm_head" and (quantization == "gguf-a8" or (
             quantization == "gguf" and backend.keeps_gguf_head_quantized()))
-        head = _read_direct(source, name, shape, placement, key) if keep_head else None
+        head = _read_direct(source, name, shape, placement, key, k_quants=k_quants) if keep_head else None
         # A head quantized below is read in float32, so it is rounded once.
         read_dtype = np.float32 if quantization in HEAD_SCHEMES and key in ("embed", "lm_head") else dtype
         params[key] = head if head is not None else _read(source, name, transpose, shape, read_dtype, placement, key)
@@ -331,9 +351,17 @@ def build_params(
         names = [f"model.layers.{i}.{suffix}" for i in stored]
         per_layer = None
         if key in QUANTIZED_KEYS and quantization is not None:
-            per_layer = [_read_quantized(source, name, shape[1:], quantization, placement, f"layers/{key}")
-                         for name in names]
+            per_layer = [_read_quantized(source, name, shape[1:], quantization, placement, f"layers/{key}",
+                                         k_quants) for name in names]
             kinds = {None if w is None else _kind(w) for w in per_layer}
+            if len(kinds) > 1 and None not in kinds and any(isinstance(w, KQuantTensor) for w in per_layer):
+                # Layers in different block types, K-quants among them, each
+                # kept at its own size: one stack per type (quant/mixed_stack.py).
+                # (Mixes of the classic types stay one widened stack below.)
+                layers[key] = MixedStack.of(_every_layer(per_layer, stored, config.num_layers), _kind)
+                bar.update(config.num_layers)
+                del per_layer
+                continue
             if len(kinds) > 1 and None not in kinds and placement is None:
                 # Layers in different block types (a Q4_K_M file stores some
                 # layers' ffn_down and attn_v as Q6_K, the others as Q4_K): one
@@ -351,9 +379,7 @@ def build_params(
         if per_layer is None:
             per_layer = [_read(source, name, transpose, shape[1:], dtype, placement, f"layers/{key}", layer=True)
                          for name in names]
-        if len(stored) < config.num_layers:
-            read = dict(zip(stored, per_layer))
-            per_layer = [read[i] if i in read else _zeros_like(per_layer[0]) for i in range(config.num_layers)]
+        per_layer = _every_layer(per_layer, stored, config.num_layers)
         bar.update(config.num_layers)
         layers[key] = _stack(per_layer) if placement is None else placement.stack(f"layers/{key}", per_layer)
         del per_layer  # free the unstacked copies before the next weight
@@ -362,14 +388,14 @@ def build_params(
     if quantization in HEAD_SCHEMES:
         params["lm_head"] = _quantized_head(params, quantization, placement)
     if quantization == "gguf-a8" and "lm_head" not in params and config.tie_word_embeddings:
-        head = _tied_head_as_stored(source, config, placement)
+        head = _tied_head_as_stored(source, config, placement, k_quants)
         if head is not None:
             params["lm_head"] = head
     if backend.wants_tied_head_as_stored(quantization) and "lm_head" not in params and config.tie_word_embeddings:
         # The float head is the faster one past a few rows (see keep_head
         # above); at a few rows a kernel reads the file's blocks, a quarter of
         # the bytes (backends/cpu.py, logits).
-        head = _tied_head_as_stored(source, config, placement)
+        head = _tied_head_as_stored(source, config, placement, k_quants)
         if head is not None:
             params["few_row_head"] = head
     if quantization == "gguf-a8":
@@ -377,11 +403,12 @@ def build_params(
     return params
 
 
-def _tied_head_as_stored(source: TensorSource, config: ModelConfig, placement) -> QuantizedTensor | None:
+def _tied_head_as_stored(source: TensorSource, config: ModelConfig, placement, k_quants: bool = False):
     """A tied model's head in the file's own blocks (its embedding table, read
     as a linear weight [hidden, vocab]), or None where its type has no direct form."""
     name = _GLOBAL_TENSORS["embed"][0]  # HF [vocab, hidden] = [out, in]
-    return _read_direct(source, name, (config.hidden_size, config.vocab_size), placement, "lm_head")
+    return _read_direct(source, name, (config.hidden_size, config.vocab_size), placement, "lm_head",
+                        k_quants=k_quants)
 
 
 def _quantized_head(params: dict, quantization: str, placement: _Placement | None) -> QuantizedTensor:

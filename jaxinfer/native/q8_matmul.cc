@@ -421,6 +421,277 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------
+// K-quant weights (quant/kquant.py: Q2_K .. Q6_K as the file stores them, in
+// tiles of 64 columns, each code plane in 32-bit words of one column). The
+// "gguf-a8" path of those weights, as llama.cpp multiplies them (its Q8_K
+// activations): activations in int8 blocks of one super-block (256 inputs,
+// one scale d_x each), and per super-block s, exactly in int32,
+//
+//   dots[r, o]  = sum_g sub_scale[g, o] * (sum_{i in g} code[i, o] * xq[r, i] - bias * sum_{i in g} xq[r, i])
+//   mins[r, o]  = sum_g sub_min[g, o] * sum_{i in g} xq[r, i]
+//   y[r, o]    += float(dots) * (d[s, o] * d_x[r, s]) - (dmin[s, o] * d_x[r, s]) * float(mins)
+//
+// (kquant_matmul.cc has the formats). The integer sums are exact, so a row's
+// result never depends on the rows beside it. A low word holds a run of 32 /
+// low inputs of one column, input u at bit low * u, so shifting 16 columns'
+// words right by low * n and masking each byte leaves in byte k the code of
+// input k * per_byte + n (per_byte = 8 / low); the high plane is laid out so
+// that one more shift and mask puts the same inputs' high bits above them
+// (quant/kquant.py). Each 32-bit lane then holds 4 inputs' whole codes of one
+// column, in natural column order, as vpdpbusd multiplies them by 4 int8
+// activations, which are stored in the matching order (KQuantOrder).
+namespace kquant {
+
+constexpr int64_t kSuperBlock = 256;
+enum Kind : int64_t { kQ2K = 0, kQ3K = 1, kQ4K = 2, kQ5K = 3, kQ6K = 4 };  // native/kquant_matmul.py's KINDS
+
+struct Shape {
+  int low, high, group, bias;
+  bool signed_scales;
+  int minimums;  // 0: none, 1: separate bytes, 2: the sub-scale byte's high nibble
+};
+
+constexpr Shape ShapeOf(int64_t kind) {
+  switch (kind) {
+    case kQ2K: return {2, 0, 16, 0, false, 2};
+    case kQ3K: return {2, 1, 16, 4, true, 0};
+    case kQ4K: return {4, 0, 32, 0, false, 1};
+    case kQ5K: return {4, 1, 32, 0, false, 1};
+    default: return {4, 2, 16, 32, true, 0};
+  }
+}
+
+struct KProblem {
+  int64_t kind;
+  Problem act;  // the quantized activations (codes in input order, scales and sums per group)
+  Shape shape;
+  const uint8_t *codes, *high, *sub_scales, *sub_mins;
+  const uint16_t *d, *dmin;
+  std::vector<int32_t> group_code_sums;  // [rows, groups]: each row's sum of xq over each group
+  float* out;
+  int64_t rows, in, out_features, code_rows, high_rows, groups, supers;
+};
+
+// Run `run` of a tile (32 / low inputs), slot n: byte k of each column's
+// lane the unsigned code of input k * per_byte + n of the run, the 16
+// columns of quarter q in out[q].
+template <int64_t kKind>
+__attribute__((always_inline)) inline void RunSlotCodes(const uint8_t* codes, const uint8_t* high, int64_t run,
+                                                        int n, __m512i out[4]) {
+  constexpr Shape s = ShapeOf(kKind);
+  constexpr int per_byte = 8 / s.low, run_inputs = 32 / s.low;
+  const __m512i low_mask = _mm512_set1_epi8(static_cast<char>((1 << s.low) - 1));
+  for (int q = 0; q < 4; ++q) {
+    const __m512i low = _mm512_loadu_si512(codes + (run * 4 + q) * 64);
+    out[q] = _mm512_and_si512(_mm512_srl_epi16(low, _mm_cvtsi32_si128(s.low * n)), low_mask);
+  }
+  if constexpr (s.high > 0) {
+    constexpr int chunk = 32 / (s.high > 0 ? s.high : 1);  // inputs per high word
+    const int64_t first = run * run_inputs;
+    const int h = static_cast<int>(first % chunk / run_inputs);
+    const int bit = s.high * (h * per_byte + n);  // the slot's high bits in each byte
+    const __m512i high_mask = _mm512_set1_epi8(static_cast<char>(((1 << s.high) - 1) << s.low));
+    const uint8_t* words = high + first / chunk * 4 * 64;
+    for (int q = 0; q < 4; ++q) {
+      const __m512i bits = _mm512_loadu_si512(words + q * 64);
+      const __m512i placed = bit >= s.low ? _mm512_srl_epi16(bits, _mm_cvtsi32_si128(bit - s.low))
+                                          : _mm512_sll_epi16(bits, _mm_cvtsi32_si128(s.low - bit));
+      out[q] = _mm512_ternarylogic_epi32(out[q], placed, high_mask, 0xF8);  // out | (placed & mask)
+    }
+  }
+}
+
+// xq rows in the order RunSlotCodes gives the weights: within each run of
+// 32 / low inputs, dword n holds inputs n, per_byte + n, 2 * per_byte + n,
+// 3 * per_byte + n.
+void KQuantOrder(std::vector<int8_t>& codes, int64_t low) {
+  const int64_t per_byte = 8 / low, run = 32 / low;
+  std::vector<int8_t> ordered(codes.size());
+  for (int64_t first = 0; first < static_cast<int64_t>(codes.size()); first += run) {
+    for (int64_t n = 0; n < per_byte; ++n)
+      for (int64_t k = 0; k < 4; ++k) ordered[first + 4 * n + k] = codes[first + k * per_byte + n];
+  }
+  codes.swap(ordered);
+}
+
+// Group g's sub-scales and sub-minimums (integers) of a tile's 64 columns, as int32.
+template <int64_t kKind>
+void GroupSubScales(const uint8_t* sub_scales, const uint8_t* sub_mins, int64_t g, __m512i scale[4],
+                    __m512i minimum[4]) {
+  constexpr Shape s = ShapeOf(kKind);
+  for (int k = 0; k < 4; ++k) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + g * 64 + 16 * k));
+    scale[k] = s.signed_scales ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    if (s.minimums == 2) {
+      minimum[k] = _mm512_srli_epi32(scale[k], 4);
+      scale[k] = _mm512_and_si512(scale[k], _mm512_set1_epi32(0x0F));
+    } else if (s.minimums == 1) {
+      minimum[k] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_mins + g * 64 + 16 * k)));
+    } else {
+      minimum[k] = _mm512_setzero_si512();
+    }
+  }
+}
+
+// Super-block sb's d (or dmin) of a tile's 64 columns as float32.
+void SuperScales(const uint16_t* d, int64_t sb, __m512 out[4]) {
+  for (int k = 0; k < 4; ++k) {
+    out[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + sb * 64 + 16 * k)));
+  }
+}
+
+// Rows [row0, row0 + rows) x the 64 columns of tile `tile`, every super-block.
+// Per super-block the codes of its groups are unpacked once (into an L1
+// buffer), and each row's integer sums of sub_scale * (dot - bias
+// * sum(xq)) and of sub_min * sum(xq) over the groups are exact; one
+// float multiply-add per super-block then scales them by d * d_x (dmin * d_x).
+template <int64_t kKind>
+void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t tile) {
+  constexpr Shape s = ShapeOf(kKind);
+  const uint8_t* codes = p.codes + tile * p.code_rows * 64;
+  const uint8_t* high = s.high ? p.high + tile * p.high_rows * 64 : nullptr;
+  const uint8_t* sub_scales = p.sub_scales + tile * p.groups * 64;
+  const uint8_t* sub_mins = s.minimums == 1 ? p.sub_mins + tile * p.groups * 64 : nullptr;
+  const uint16_t* d = p.d + tile * p.supers * 64;
+  const uint16_t* dmin = s.minimums ? p.dmin + tile * p.supers * 64 : nullptr;
+  const int64_t quads = s.group / 4, per_super = kSuperBlock / s.group;
+  alignas(64) __m512i weights[kSuperBlock];  // a super-block's codes as bytes: 4 vectors (quarters) per 4 inputs
+  alignas(64) __m512i scales[16][4], minimums[16][4];
+  alignas(64) float acc[kRowBlock * kColumns] = {};
+  for (int64_t sb = 0; sb < p.supers; ++sb) {
+    for (int64_t gi = 0; gi < per_super; ++gi) {
+      const int64_t g = sb * per_super + gi;
+      constexpr int64_t per_byte = 8 / s.low, run_inputs = 32 / s.low;
+      for (int64_t run = 0; run < s.group / run_inputs; ++run) {
+        for (int n = 0; n < per_byte; ++n) {
+          RunSlotCodes<kKind>(codes, high, g * (s.group / run_inputs) + run, n,
+                              weights + 4 * (gi * quads + run * per_byte + n));
+        }
+      }
+      GroupSubScales<kKind>(sub_scales, sub_mins, g, scales[gi], minimums[gi]);
+    }
+    __m512 d_s[4], dmin_s[4];
+    SuperScales(d, sb, d_s);
+    if (s.minimums) SuperScales(dmin, sb, dmin_s);
+    for (int64_t r = 0; r < rows; r += 2) {
+      const int pair = r + 1 < rows ? 2 : 1;
+      __m512i sums[2][4], mins[2][4];
+      for (int i = 0; i < 2; ++i)
+        for (int k = 0; k < 4; ++k) sums[i][k] = mins[i][k] = _mm512_setzero_si512();
+      for (int64_t gi = 0; gi < per_super; ++gi) {
+        const int64_t g = sb * per_super + gi;
+        const int32_t* x[2];
+        for (int i = 0; i < pair; ++i)
+          x[i] = reinterpret_cast<const int32_t*>(p.act.codes.data() + (row0 + r + i) * p.in + g * s.group);
+        __m512i dot[2][4];
+        if (pair == 2) {
+          BlockDots<false, 2>(x, weights + 4 * gi * quads, quads, dot);
+        } else {
+          BlockDots<false, 1>(x, weights + 4 * gi * quads, quads, dot);
+        }
+        for (int i = 0; i < pair; ++i) {
+          const int32_t code_sum = p.group_code_sums[(row0 + r + i) * p.groups + g];
+          const __m512i bias = _mm512_set1_epi32(s.bias * code_sum), sum = _mm512_set1_epi32(code_sum);
+          for (int k = 0; k < 4; ++k) {
+            sums[i][k] = _mm512_add_epi32(sums[i][k], _mm512_mullo_epi32(scales[gi][k], _mm512_sub_epi32(dot[i][k], bias)));
+            if (s.minimums) mins[i][k] = _mm512_add_epi32(mins[i][k], _mm512_mullo_epi32(minimums[gi][k], sum));
+          }
+        }
+      }
+      for (int i = 0; i < pair; ++i) {
+        const __m512 dx = _mm512_set1_ps(p.act.x_scales[(row0 + r + i) * p.supers + sb]);
+        float* out = acc + (r + i) * kColumns;
+        for (int k = 0; k < 4; ++k) {
+          __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][k]), _mm512_mul_ps(d_s[k], dx), _mm512_loadu_ps(out + 16 * k));
+          if (s.minimums) v = _mm512_fnmadd_ps(_mm512_mul_ps(dmin_s[k], dx), _mm512_cvtepi32_ps(mins[i][k]), v);
+          _mm512_storeu_ps(out + 16 * k, v);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(acc + r * kColumns, kColumns, p.out + (row0 + r) * p.out_features + tile * kColumns);
+}
+
+ffi::Error Q8KQuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                              ffi::AnyBuffer codes, ffi::AnyBuffer high, ffi::AnyBuffer sub_scales,
+                              ffi::AnyBuffer sub_mins, ffi::AnyBuffer d, ffi::AnyBuffer dmin,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
+  if (kind < kQ2K || kind > kQ6K) return ffi::Error::InvalidArgument("q8 k-quant matmul: unknown kind");
+  KProblem p;
+  p.kind = kind;
+  p.shape = ShapeOf(kind);
+  const auto x_dims = x.dimensions();
+  const auto code_dims = codes.dimensions(), scale_dims = sub_scales.dimensions(), d_dims = d.dimensions();
+  if (x_dims.size() != 2 || code_dims.size() != 4 || scale_dims.size() != 4 || d_dims.size() != 4 ||
+      code_dims[3] != kColumns) {
+    return ffi::Error::InvalidArgument(
+        "q8 k-quant matmul: x must be [rows, in], the weight's arrays [layers, out / 64, rows, 64]");
+  }
+  p.rows = x_dims[0];
+  p.in = x_dims[1];
+  p.out_features = code_dims[1] * kColumns;
+  p.code_rows = p.in * p.shape.low / 8;
+  p.high_rows = p.in * p.shape.high / 8;
+  p.groups = p.in / p.shape.group;
+  p.supers = p.in / kSuperBlock;
+  const int64_t layers = code_dims[0], tiles = code_dims[1];
+  if (p.rows < 1 || p.in % kSuperBlock != 0 || code_dims[2] != p.code_rows || scale_dims[1] != tiles ||
+      scale_dims[2] != p.groups || d_dims[1] != tiles || d_dims[2] != p.supers) {
+    return ffi::Error::InvalidArgument("q8 k-quant matmul: shapes do not match (whole super-blocks of 256 inputs)");
+  }
+  const int64_t layer_index = layer.typed_data()[0];
+  if (layer_index < 0 || layer_index >= layers) {
+    return ffi::Error::InvalidArgument("q8 k-quant matmul: layer index outside the stacked weights");
+  }
+  if ((p.shape.high && high.dimensions().size() != 4) || (p.shape.minimums == 1 && sub_mins.dimensions().size() != 4) ||
+      (p.shape.minimums && dmin.dimensions().size() != 4)) {
+    return ffi::Error::InvalidArgument("q8 k-quant matmul: this kind needs its high bits, minimums and dmin");
+  }
+  const int64_t area = tiles * kColumns;
+  p.codes = static_cast<const uint8_t*>(codes.untyped_data()) + layer_index * p.code_rows * area;
+  p.high = p.shape.high ? static_cast<const uint8_t*>(high.untyped_data()) + layer_index * p.high_rows * area
+                        : nullptr;
+  p.sub_scales = static_cast<const uint8_t*>(sub_scales.untyped_data()) + layer_index * p.groups * area;
+  p.sub_mins = p.shape.minimums == 1
+                   ? static_cast<const uint8_t*>(sub_mins.untyped_data()) + layer_index * p.groups * area
+                   : nullptr;
+  p.d = static_cast<const uint16_t*>(d.untyped_data()) + layer_index * p.supers * area;
+  p.dmin = p.shape.minimums ? static_cast<const uint16_t*>(dmin.untyped_data()) + layer_index * p.supers * area
+                            : nullptr;
+  p.out = out->typed_data();
+  p.act.int4 = false;
+  p.act.rows = p.rows;
+  p.act.in = p.in;
+  p.act.block = kSuperBlock;  // one activation scale per super-block, as llama.cpp's Q8_K
+  QuantizeActivations(x.typed_data(), p.act);
+  p.group_code_sums.resize(p.rows * p.groups);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const int8_t* xq = p.act.codes.data() + r * p.in + g * p.shape.group;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < p.shape.group; ++i) sum += xq[i];
+      p.group_code_sums[r * p.groups + g] = sum;
+    }
+  }
+  KQuantOrder(p.act.codes, p.shape.low);
+  const int64_t row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
+  jaxinfer::ParallelFor(thread_pool, row_blocks * tiles, [&p, row_blocks](int64_t task) {
+    const int64_t row0 = (task % row_blocks) * kRowBlock;
+    const int64_t rows = std::min(kRowBlock, p.rows - row0), tile = task / row_blocks;
+    switch (p.kind) {
+      case kQ2K: return KQuantColumnTask<kQ2K>(p, row0, rows, tile);
+      case kQ3K: return KQuantColumnTask<kQ3K>(p, row0, rows, tile);
+      case kQ4K: return KQuantColumnTask<kQ4K>(p, row0, rows, tile);
+      case kQ5K: return KQuantColumnTask<kQ5K>(p, row0, rows, tile);
+      default: return KQuantColumnTask<kQ6K>(p, row0, rows, tile);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace kquant
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8Matmul, Q8MatmulImpl,
@@ -435,3 +706,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8Matmul, Q8MatmulImpl,
                                   .Attr<int64_t>("group_size")
                                   .Attr<bool>("has_offsets")
                                   .Attr<int64_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8KQuantMatmul, kquant::Q8KQuantMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::AnyBuffer>()         // codes
+                                  .Arg<ffi::AnyBuffer>()         // high
+                                  .Arg<ffi::AnyBuffer>()         // sub_scales
+                                  .Arg<ffi::AnyBuffer>()         // sub_mins
+                                  .Arg<ffi::AnyBuffer>()         // d
+                                  .Arg<ffi::AnyBuffer>()         // dmin
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int64_t>("kind"));

@@ -19,15 +19,19 @@ import dataclasses
 
 import jax
 
+from jaxinfer.quant.kquant import KQuantTensor
+from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.tensor import QuantizedTensor
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerOf:
-    """Layer `index` (traced) of a stacked QuantizedTensor [layers, ...] (or
-    of a float stack: a MoE's experts, which a native kernel reads in place)."""
-    stacked: QuantizedTensor | jax.Array
+    """Layer `index` (traced) of a stacked QuantizedTensor or KQuantTensor
+    [layers, ...], of a float stack (a MoE's experts, which a native kernel
+    reads in place), or of a MixedStack (quant/mixed_stack.py: its `apply`
+    takes the place of `layer()`, since its layers differ in form)."""
+    stacked: QuantizedTensor | KQuantTensor | MixedStack | jax.Array
     index: jax.Array
 
     @property
@@ -36,8 +40,10 @@ class LayerOf:
         return self.stacked.shape[1:]
 
     def layer(self):
+        if isinstance(self.stacked, MixedStack):
+            raise TypeError("a MixedStack's layer has no one form under a traced index: use stacked.apply")
         layer = jax.tree.map(lambda a: a[self.index], self.stacked)
-        return layer.untiled() if isinstance(layer, QuantizedTensor) else layer
+        return layer.untiled() if isinstance(layer, (QuantizedTensor, KQuantTensor)) else layer
 
 
 @jax.tree_util.register_pytree_node_class
@@ -64,7 +70,10 @@ class PerLayer:
 
     @classmethod
     def unstack(cls, stacked) -> PerLayer:
-        """A stacked array or QuantizedTensor [layers, ...] as one per layer."""
+        """A stacked array, QuantizedTensor or KQuantTensor [layers, ...], or a
+        MixedStack, as one per layer (each in its own format)."""
+        if isinstance(stacked, MixedStack):
+            return cls(stacked.layer(i) for i in range(stacked.num_layers))
         num_layers = jax.tree.leaves(stacked)[0].shape[0]
         return cls(jax.tree.map(lambda a: a[i], stacked) for i in range(num_layers))
 

@@ -35,6 +35,10 @@ per-group dots for bf16 inputs with a float32 result.
                            Because the int32 accumulation is exact, a row's
                            result does not depend on the rows beside it.
 
+K-quant weights (KQuantTensor, quant/kquant.py: a GGUF's Q2_K .. Q6_K at the
+file's size): dequantized to x.dtype (gguf's values exactly in float32), then
+a matmul; a MixedStack's layer (LayerOf) under a switch on its block type.
+
 Weights with activation_block (the "gguf-a8" load, quant/tensor.py): the
 activations are quantized to int8 blocks first (schemes.int8_blocks) and
 multiplied in float, which is the product the CPU backend's int8 kernel
@@ -58,6 +62,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.quant import kquant
+from jaxinfer.quant.kquant import KQuantTensor
+from jaxinfer.quant.layer_weights import LayerOf
+from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.schemes import absmax_int8, int8_blocks
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize, unpack_int4
 
@@ -65,8 +73,18 @@ from jaxinfer.quant.tensor import QuantizedTensor, dequantize, unpack_int4
 def linear(x: jax.Array, w) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] in x.dtype.
 
-    w: an array or a QuantizedTensor [in, out] (or with leading layer axes,
-    which broadcast like `x @ w`)."""
+    w: an array, a QuantizedTensor or KQuantTensor [in, out] (or with leading
+    layer axes, which broadcast like `x @ w`), or one layer of a stack
+    (LayerOf, the form a MixedStack reaches the layer loop in)."""
+    if isinstance(w, LayerOf):
+        if isinstance(w.stacked, MixedStack):
+            return w.stacked.apply(w.index, lambda part, index: linear(x, LayerOf(part, index)))
+        return linear(x, w.layer())
+    if isinstance(w, KQuantTensor):
+        # The reference: the file's values in float, then a float matmul.
+        if w.activation_block:
+            x = int8_blocks(x, w.activation_block)
+        return jnp.matmul(x, kquant.dequantize(w, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     if not isinstance(w, QuantizedTensor):
         return x @ w
     if w.activation_block:  # the quantized activations, multiplied in float: the same numbers

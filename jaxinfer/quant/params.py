@@ -15,7 +15,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.quant.kquant import SUPER_BLOCK, KQuantTensor
 from jaxinfer.quant.layer_weights import PerLayer
+from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.schemes import activation_block, quantize
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
 
@@ -84,8 +86,15 @@ def with_int8_activations(params: dict) -> dict:
     and offsets become float16 where that is exact (a GGUF's Q4_0 / Q4_1 /
     Q8_0 d and m are float16 in the file): the int8-activation kernel reads
     them with the codes, and for int4 groups of 32 float32 ones are half as
-    many bytes again as the codes."""
+    many bytes again as the codes. K-quant weights multiply activations in
+    int8 blocks of a whole super-block (256 inputs), as llama.cpp multiplies
+    them: their integer sub-scales then apply in integers
+    (native/q8_matmul.cc)."""
     def mark(w, narrow=True):
+        if isinstance(w, MixedStack):
+            return w.replace_parts(mark)
+        if isinstance(w, KQuantTensor):  # one activation scale per super-block, as llama.cpp's Q8_K
+            return dataclasses.replace(w, activation_block=SUPER_BLOCK)
         if not isinstance(w, QuantizedTensor) or w.scheme not in ("int8", "int4"):
             return w
         parts = [w.scales] + ([] if w.offsets is None else [w.offsets])

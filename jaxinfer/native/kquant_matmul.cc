@@ -1,0 +1,680 @@
+// Matmul of float32 activations by K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K,
+// Q6_K) held as the file stores them (quant/kquant.py, KQuantTensor, in tiles
+// of 64 columns), for XLA:CPU through the XLA FFI (native/kquant_matmul.py
+// builds and registers it). AVX-512 only; elsewhere the build fails on
+// purpose and quant/linear.py multiplies the dequantized weight in XLA.
+//
+// Why: matmul.cc multiplies int8 / int4 codes with float32 scales per group.
+// A K-quant weight in that form carries 4 bytes of scale (and 4 of offset)
+// per group and its 5- and 6-bit codes widened to bytes: a Q4_K_M model read
+// 308 MiB a decode step where its file holds ~200 MB. Here the codes stay at
+// their bit width and the scales in two levels (an f16 super-scale per 256
+// inputs times an integer sub-scale per group), and both are expanded in
+// registers: the same float32 values as gguf's dequantizer.
+//
+//   x           f32 [R, in]
+//   layer       s32 []
+//   then per weight (one layer of each; a layer's q, k and v in one call):
+//   codes       u8 [L, out / 64, in * low / 8, 64]   low bits of each code
+//   high        u8 [L, out / 64, in * high / 8, 64]  its high bits ([1] where none)
+//   sub_scales  s8 / u8 [L, out / 64, in / group, 64]
+//   sub_mins    u8, as sub_scales ([1] where none)
+//   d, dmin     f16 [L, out / 64, in / 256, 64] (dmin [1] where none)
+//   out         f32 [R, out] per weight
+//   kinds       attribute: each weight's kind (Kind below)
+//
+// Byte row j of a code plane of b bits holds inputs (8 / b) * j + i in bits
+// [b * i, b * i + b), its 64 bytes in nibble order (byte 4d + m holds column
+// 16m + d): a 32-bit lane d then holds columns d, 16 + d, 32 + d, 48 + d, so
+// shifting it right by 8m + b * i leaves column 16m + d's code in its low
+// bits, and vpermps, which reads only the low 4, looks up its float in a
+// table of 16 (LowTable, HighTable: the bias and the masking of the bits
+// above are in the table). A code is then one or two shifts and lookups, and
+// an add of the two exact integers.
+//
+// Computed per group g of `group` inputs, per row r and column c, in this order:
+//
+//   acc      = sum_i x[r, i] * float(code - bias)      (fused multiply-adds, i ascending, from 0)
+//   out     += (d * sub_scale) * acc                    (one fused multiply-add)
+//   out     -= (dmin * sub_min) * sum_i x[r, i]         (kinds with minimums; one fused multiply-add)
+//
+// the same real numbers as x @ dequantize(w), rounded in another order. A
+// row's arithmetic depends on the weight's shape and the core count only
+// (InputParts), never on the other rows: the few-row path (codes expanded in
+// registers, up to 8 rows) and the many-row path (each group's codes
+// expanded once into an L1 buffer for all rows) do the same operations in
+// the same order.
+#if !defined(__AVX512F__)
+#error "the K-quant matmul needs AVX-512 (-march=native on a CPU without it); XLA runs it instead"
+#endif
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "jaxinfer/native/parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTileColumns = 64;
+constexpr int64_t kSuperBlock = 256;
+constexpr int64_t kRowBlock = 8;      // the few-row path's rows at most
+constexpr int64_t kTileRows = 6;      // the many-row path's register tile of rows
+constexpr int64_t kMaxTaskRows = 36;  // the many-row path's rows per task at most
+
+// quant/kquant.py's kinds, in the order of native/kquant_matmul.py's KINDS.
+enum Kind : int64_t { kQ2K = 0, kQ3K = 1, kQ4K = 2, kQ5K = 3, kQ6K = 4 };
+
+// Minimums: none, a separate byte per group (sub_mins), or the high nibble
+// of the sub-scale byte (Q2_K).
+enum Minimums { kNone, kSeparate, kPacked };
+
+template <int64_t kKind>
+struct Format;
+template <>
+struct Format<kQ2K> {
+  static constexpr int kLow = 2, kHigh = 0, kGroup = 16, kBias = 0;
+  static constexpr bool kSignedScales = false;
+  static constexpr Minimums kMins = kPacked;
+};
+template <>
+struct Format<kQ3K> {
+  static constexpr int kLow = 2, kHigh = 1, kGroup = 16, kBias = 4;
+  static constexpr bool kSignedScales = true;
+  static constexpr Minimums kMins = kNone;
+};
+template <>
+struct Format<kQ4K> {
+  static constexpr int kLow = 4, kHigh = 0, kGroup = 32, kBias = 0;
+  static constexpr bool kSignedScales = false;
+  static constexpr Minimums kMins = kSeparate;
+};
+template <>
+struct Format<kQ5K> {
+  static constexpr int kLow = 4, kHigh = 1, kGroup = 32, kBias = 0;
+  static constexpr bool kSignedScales = false;
+  static constexpr Minimums kMins = kSeparate;
+};
+template <>
+struct Format<kQ6K> {
+  static constexpr int kLow = 4, kHigh = 2, kGroup = 16, kBias = 32;
+  static constexpr bool kSignedScales = true;
+  static constexpr Minimums kMins = kNone;
+};
+
+// Run-time copies of Format's numbers, for the code outside the kernels' loops.
+struct Shape {
+  int low, high, group;
+  bool minimums;
+};
+
+Shape ShapeOf(int64_t kind) {
+  switch (kind) {
+    case kQ2K: return {2, 0, 16, true};
+    case kQ3K: return {2, 1, 16, false};
+    case kQ4K: return {4, 0, 32, true};
+    case kQ5K: return {4, 1, 32, true};
+    default: return {4, 2, 16, false};
+  }
+}
+
+struct Problem {
+  const float* x;
+  float* out;
+  int64_t kind;
+  Shape shape;
+  // This layer's arrays (tile t's part of each at t times its tile size).
+  const uint8_t* codes;
+  const uint8_t* high;
+  const uint8_t* sub_scales;
+  const uint8_t* sub_mins;
+  const uint16_t* d;
+  const uint16_t* dmin;
+  int64_t rows, in, out_features;
+  int64_t code_rows, high_rows, groups, supers;  // rows per tile of each array
+
+  int64_t Tiles() const { return out_features / kTileColumns; }
+};
+
+// One tile's pointers (64 columns at column tile * 64).
+struct Tile {
+  const uint8_t* codes;
+  const uint8_t* high;
+  const uint8_t* sub_scales;
+  const uint8_t* sub_mins;
+  const uint16_t* d;
+  const uint16_t* dmin;
+};
+
+Tile TileOf(const Problem& p, int64_t tile) {
+  const int64_t area = kTileColumns;
+  return {p.codes + tile * p.code_rows * area,
+          p.high ? p.high + tile * p.high_rows * area : nullptr,
+          p.sub_scales + tile * p.groups * area,
+          p.sub_mins ? p.sub_mins + tile * p.groups * area : nullptr,
+          p.d + tile * p.supers * area,
+          p.dmin ? p.dmin + tile * p.supers * area : nullptr};
+}
+
+// The float of each 4-bit index into the low bits' table: the low bits'
+// value (the bits above them masked off by the table).
+template <int64_t kKind>
+inline __m512 LowTable() {
+  if constexpr (Format<kKind>::kLow == 4) {
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  } else {
+    return _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  }
+}
+
+// The high bits' share of a code, less the bias: (high << low) - bias.
+template <int64_t kKind>
+inline __m512 HighTable() {
+  using F = Format<kKind>;
+  alignas(64) float table[16];
+  for (int i = 0; i < 16; ++i) table[i] = static_cast<float>(((i & ((1 << F::kHigh) - 1)) << F::kLow) - F::kBias);
+  return _mm512_load_ps(table);
+}
+
+template <int kShift>
+inline __m512i ShiftRight(__m512i v) {
+  if constexpr (kShift == 0) {
+    return v;
+  } else {
+    return _mm512_srli_epi32(v, kShift);
+  }
+}
+
+// Calls fn(std::integral_constant<int, i>) for i in [0, kCount).
+template <int kCount, typename Fn>
+__attribute__((always_inline)) inline void Unroll(Fn&& fn) {
+  if constexpr (kCount > 0) {
+    Unroll<kCount - 1>(fn);
+    fn(std::integral_constant<int, kCount - 1>{});
+  }
+}
+
+// A run of a tile's inputs: one 32-bit word of low bits per column, 32 /
+// low inputs (kRun: 8 or 16), so run r's low bits of quarter q (16 columns)
+// are the 64-byte line (r * 4 + q) of the plane, input u at bit low * u.
+// Their high bits are in the high plane's word of the run's high chunk
+// (32 / high inputs, one or more runs), at bit 8 * (u / per_byte) + high *
+// (h * per_byte + u % per_byte) for the run's place h in that chunk
+// (quant/kquant.py, _word_positions): so that the gguf-a8 kernel gets each
+// byte's full codes with one shift and mask (q8_matmul.cc).
+template <int64_t kKind>
+struct Run {
+  using F = Format<kKind>;
+  static constexpr int kRun = 32 / F::kLow;
+  static constexpr int kPerByte = 8 / F::kLow;
+  const uint8_t* low;   // the run's quarter-0 line of low bits
+  const uint8_t* high;  // the run's high chunk's quarter-0 line
+  int high_shift;       // bits of the run's place in its high chunk
+
+  Run(const Tile& t, int64_t run) {
+    low = t.codes + run * 4 * kTileColumns;
+    high = nullptr;
+    high_shift = 0;
+    if constexpr (F::kHigh > 0) {
+      constexpr int kChunkHigh = 32 / F::kHigh;
+      const int64_t first = run * kRun;
+      high = t.high + first / kChunkHigh * 4 * kTileColumns;
+      high_shift = F::kHigh * static_cast<int>(first % kChunkHigh / kRun) * kPerByte;
+    }
+  }
+
+  // Input kInput of the run, the 16 columns of quarter kQuarter, as floats.
+  template <int kInput, int kQuarter>
+  __m512 Floats(__m512 low_table, __m512 high_table) const {
+    const __m512i low_bits = _mm512_loadu_si512(low + kQuarter * kTileColumns);
+    __m512 v = _mm512_permutexvar_ps(ShiftRight<F::kLow * kInput>(low_bits), low_table);
+    if constexpr (F::kHigh > 0) {
+      constexpr int kHighBit = 8 * (kInput / kPerByte) + F::kHigh * (kInput % kPerByte);
+      const __m512i high_bits = _mm512_loadu_si512(high + kQuarter * kTileColumns);
+      const __m512i shifted = _mm512_srl_epi32(high_bits, _mm_cvtsi32_si128(kHighBit + high_shift));
+      v = _mm512_add_ps(v, _mm512_permutexvar_ps(shifted, high_table));
+    } else if constexpr (F::kBias) {
+      v = _mm512_sub_ps(v, _mm512_set1_ps(static_cast<float>(F::kBias)));
+    }
+    return v;
+  }
+};
+
+// Group g's scales (d * sub_scale) and minimums (dmin * sub_min) of the 16
+// columns at 16 * k of a tile.
+template <int64_t kKind>
+inline void GroupScales(const Tile& t, int64_t g, int k, __m512* scale, __m512* minimum) {
+  using F = Format<kKind>;
+  const int64_t s = g * F::kGroup / kSuperBlock;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t.sub_scales + g * kTileColumns + 16 * k));
+  __m512i sub;
+  if constexpr (F::kSignedScales) {
+    sub = _mm512_cvtepi8_epi32(bytes);
+  } else {
+    sub = _mm512_cvtepu8_epi32(bytes);
+  }
+  if constexpr (F::kMins == kPacked) sub = _mm512_and_si512(sub, _mm512_set1_epi32(0x0F));
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.d + s * kTileColumns + 16 * k)));
+  *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sub));
+  if constexpr (F::kMins != kNone) {
+    __m512i m;
+    if constexpr (F::kMins == kPacked) {
+      m = _mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes), 4);
+    } else {
+      m = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(t.sub_mins + g * kTileColumns + 16 * k)));
+    }
+    const __m512 dmin =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.dmin + s * kTileColumns + 16 * k)));
+    *minimum = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m));
+  }
+}
+
+// result (16 * kVectors floats a row, rows [row0, row0 + kRows)) += group g's
+// dots acc, scaled, less the minimums times the group's sums of x. Vector v
+// is vector v % 4 of tile tiles[v / 4].
+template <int64_t kKind, int kRows, int kVectors>
+__attribute__((always_inline)) inline void FoldGroup(const Problem& p, const Tile* tiles,
+                                                     const __m512 (&acc)[kRows][kVectors], int64_t g, int64_t row0,
+                                                     const float* x_sums, float* result) {
+#pragma GCC unroll 16
+  for (int v = 0; v < kVectors; ++v) {
+    __m512 scale, minimum;
+    GroupScales<kKind>(tiles[v / 4], g, v % 4, &scale, &minimum);
+#pragma GCC unroll 16
+    for (int r = 0; r < kRows; ++r) {
+      float* out = result + (row0 + r) * 16 * kVectors + 16 * v;
+      __m512 sum = _mm512_fmadd_ps(scale, acc[r][v], _mm512_load_ps(out));
+      if constexpr (Format<kKind>::kMins != kNone) {
+        sum = _mm512_fnmadd_ps(minimum, _mm512_set1_ps(x_sums[(row0 + r) * p.groups + g]), sum);
+      }
+      _mm512_store_ps(out, sum);
+    }
+  }
+}
+
+// The few-row path: rows [row0, row0 + kRows) x 16 * kVectors columns
+// (kVectors / 4 tiles), group g, each code expanded in registers as it is
+// used (at a few rows a store and a load of each would cost more than the
+// multiply-adds it serves). kRows * kVectors <= 16 accumulators hide the
+// multiply-add's latency.
+template <int64_t kKind, int kRows, int kVectors>
+void FewRowsGroup(const Problem& p, const Tile* tiles, int64_t g, int64_t row0, const float* x_sums,
+                  float* result) {
+  using F = Format<kKind>;
+  constexpr int kTiles = kVectors / 4;
+  const __m512 low_table = LowTable<kKind>(), high_table = HighTable<kKind>();
+  __m512 acc[kRows][kVectors];
+  for (int r = 0; r < kRows; ++r)
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
+  const float* x = p.x + row0 * p.in + g * F::kGroup;
+  constexpr int kRun = Run<kKind>::kRun;
+  for (int64_t run = 0; run < F::kGroup / kRun; ++run) {
+    const int64_t index = g * (F::kGroup / kRun) + run;  // the run's index in the tile
+    // Tile by tile, so that only one tile's code lines are live beside the
+    // accumulators: input by input over all tiles kept every tile's lines
+    // live, more than the 32 registers, and g++ spilled them to the stack
+    // (368 stack accesses in the Q4_K one-row loop). Each accumulator still
+    // takes its inputs in order, so the sums are the same.
+    Unroll<kTiles>([&](auto l) __attribute__((always_inline)) {
+      const Run<kKind> codes(tiles[l], index);
+      Unroll<kRun>([&](auto input) __attribute__((always_inline)) {
+        __m512 xi[kRows];
+        for (int r = 0; r < kRows; ++r) xi[r] = _mm512_set1_ps(x[r * p.in + run * kRun + input]);
+        Unroll<4>([&](auto quarter) __attribute__((always_inline)) {
+          const __m512 w = codes.template Floats<input, quarter>(low_table, high_table);
+          for (int r = 0; r < kRows; ++r) acc[r][4 * l + quarter] = _mm512_fmadd_ps(w, xi[r], acc[r][4 * l + quarter]);
+        });
+      });
+    });
+  }
+  FoldGroup<kKind, kRows, kVectors>(p, tiles, acc, g, row0, x_sums, result);
+}
+
+// Every row (at most kRowBlock) x 16 * kVectors columns from column tile
+// `tile`, groups [g_begin, g_end), written to out [rows, out_features].
+template <int64_t kKind, int kVectors>
+void FewRowsTask(const Problem& p, int64_t tile, int64_t g_begin, int64_t g_end, const float* x_sums, float* out) {
+  constexpr int64_t kWidth = 16 * kVectors;
+  Tile tiles[kVectors / 4];
+  for (int l = 0; l < kVectors / 4; ++l) tiles[l] = TileOf(p, tile + l);
+  alignas(64) float result[kRowBlock * kWidth];
+  std::fill_n(result, p.rows * kWidth, 0.0f);
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    if constexpr (kVectors == 16) {
+      FewRowsGroup<kKind, 1, 16>(p, tiles, g, 0, x_sums, result);
+    } else if constexpr (kVectors == 8) {
+      if (p.rows == 1) {
+        FewRowsGroup<kKind, 1, 8>(p, tiles, g, 0, x_sums, result);
+      } else {
+        FewRowsGroup<kKind, 2, 8>(p, tiles, g, 0, x_sums, result);
+      }
+    } else {
+      for (int64_t row = 0; row < p.rows;) {  // row tiles of 4, 3, 2 and 1
+        const int64_t left = p.rows - row;
+        if (left >= 4 && left != 5 && left != 6) {
+          FewRowsGroup<kKind, 4, 4>(p, tiles, g, row, x_sums, result), row += 4;
+        } else if (left >= 3) {
+          FewRowsGroup<kKind, 3, 4>(p, tiles, g, row, x_sums, result), row += 3;
+        } else if (left == 2) {
+          FewRowsGroup<kKind, 2, 4>(p, tiles, g, row, x_sums, result), row += 2;
+        } else {
+          FewRowsGroup<kKind, 1, 4>(p, tiles, g, row, x_sums, result), row += 1;
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < p.rows; ++r) {
+    std::copy_n(result + r * kWidth, kWidth, out + r * p.out_features + tile * kTileColumns);
+  }
+}
+
+// Group g's codes of a tile as floats, w[i * 64 + c] (the many-row path's L1 buffer).
+template <int64_t kKind>
+void GroupCodes(const Tile& t, int64_t g, float* w) {
+  using F = Format<kKind>;
+  constexpr int kRun = Run<kKind>::kRun;
+  const __m512 low_table = LowTable<kKind>(), high_table = HighTable<kKind>();
+  for (int64_t run = 0; run < F::kGroup / kRun; ++run) {
+    const Run<kKind> codes(t, g * (F::kGroup / kRun) + run);
+    float* rows = w + run * kRun * kTileColumns;
+    Unroll<kRun>([&](auto input) __attribute__((always_inline)) {
+      Unroll<4>([&](auto quarter) __attribute__((always_inline)) {
+        _mm512_store_ps(rows + input * kTileColumns + 16 * quarter,
+                        codes.template Floats<input, quarter>(low_table, high_table));
+      });
+    });
+  }
+}
+
+// Asks for group g's code rows of a tile while the group before is multiplied.
+template <int64_t kKind>
+__attribute__((always_inline)) inline void PrefetchGroup(const Tile& t, int64_t g) {
+  using F = Format<kKind>;
+  for (int j = 0; j < F::kGroup * F::kLow / 8; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(t.codes + (g * F::kGroup * F::kLow / 8 + j) * kTileColumns),
+                 _MM_HINT_T0);
+  }
+  if constexpr (F::kHigh > 0) {  // the group's high lines: whole high chunks, or a part of one
+    constexpr int kLines = F::kGroup * F::kHigh / 8 < 4 ? 4 : F::kGroup * F::kHigh / 8;
+    const int64_t first = g * F::kGroup * F::kHigh / 32 * 4;
+    for (int j = 0; j < kLines; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(t.high + (first + j) * kTileColumns), _MM_HINT_T0);
+    }
+  }
+}
+
+// Rows [row0, row0 + kRows) x the 64 columns of a tile, group g, from the
+// group's codes as floats (w): FewRowsGroup's operations in its order.
+template <int64_t kKind, int kRows>
+void TileGroup(const Problem& p, const Tile& t, const float* w, int64_t g, int64_t row0, const float* x_sums,
+               float* result) {
+  using F = Format<kKind>;
+  __m512 acc[kRows][4];
+  for (int r = 0; r < kRows; ++r)
+    for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_ps();
+  const float* x = p.x + row0 * p.in + g * F::kGroup;
+  for (int64_t i = 0; i < F::kGroup; ++i) {
+    const __m512 w0 = _mm512_load_ps(w + i * kTileColumns), w1 = _mm512_load_ps(w + i * kTileColumns + 16);
+    const __m512 w2 = _mm512_load_ps(w + i * kTileColumns + 32), w3 = _mm512_load_ps(w + i * kTileColumns + 48);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 xi = _mm512_set1_ps(x[r * p.in + i]);
+      acc[r][0] = _mm512_fmadd_ps(w0, xi, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w1, xi, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(w2, xi, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(w3, xi, acc[r][3]);
+    }
+  }
+  FoldGroup<kKind, kRows, 4>(p, &t, acc, g, row0, x_sums, result);
+}
+
+// Rows [row_begin, row_end) x the 64 columns of tile `tile`, every group, in
+// `parts` runs of groups whose sums add into the output in order (as the
+// few-row path's parts do).
+template <int64_t kKind>
+void ManyRowsTask(const Problem& p, int64_t tile, int64_t row_begin, int64_t row_end, int64_t parts,
+                  const float* x_sums) {
+  using F = Format<kKind>;
+  alignas(64) float w[F::kGroup * kTileColumns];
+  alignas(64) float result[kMaxTaskRows * kTileColumns];
+  float* base = result - row_begin * kTileColumns;  // indexed by absolute row
+  const Tile t = TileOf(p, tile);
+  for (int64_t part = 0; part < parts; ++part) {
+    std::fill_n(result, kMaxTaskRows * kTileColumns, 0.0f);
+    for (int64_t g = p.groups * part / parts; g < p.groups * (part + 1) / parts; ++g) {
+      if (g + 1 < p.groups) PrefetchGroup<kKind>(t, g + 1);
+      GroupCodes<kKind>(t, g, w);
+      int64_t r = row_begin;
+      for (; r + kTileRows <= row_end; r += kTileRows) TileGroup<kKind, kTileRows>(p, t, w, g, r, x_sums, base);
+      switch (row_end - r) {
+        case 1: TileGroup<kKind, 1>(p, t, w, g, r, x_sums, base); break;
+        case 2: TileGroup<kKind, 2>(p, t, w, g, r, x_sums, base); break;
+        case 3: TileGroup<kKind, 3>(p, t, w, g, r, x_sums, base); break;
+        case 4: TileGroup<kKind, 4>(p, t, w, g, r, x_sums, base); break;
+        case 5: TileGroup<kKind, 5>(p, t, w, g, r, x_sums, base); break;
+        default: break;
+      }
+    }
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      float* out = p.out + r * p.out_features + tile * kTileColumns;
+      const float* sum = base + r * kTileColumns;
+      if (part == 0) {
+        std::copy_n(sum, kTileColumns, out);
+      } else {
+        for (int64_t c = 0; c < kTileColumns; ++c) out[c] += sum[c];
+      }
+    }
+  }
+}
+
+// Each row's sum of x over each group, [rows, groups]: what the minimums multiply.
+std::vector<float> GroupSums(const Problem& p) {
+  const int64_t group = p.shape.group;
+  std::vector<float> sums(p.rows * p.groups);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const float* x = p.x + r * p.in + g * group;
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t i = 0; i < group; i += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(x + i));
+      sums[r * p.groups + g] = _mm512_reduce_add_ps(sum);
+    }
+  }
+  return sums;
+}
+
+// Runs of groups each tile's sum is cut into, whatever the rows: a weight of
+// few tiles split by columns alone leaves cores idle. The parts' sums add
+// up in order, so a row's result depends on the weight's shape and the core
+// count only.
+int64_t InputParts(int64_t column_tiles, int64_t num_groups, int64_t workers) {
+  int64_t best = 1;
+  double best_idle = 1e9;
+  for (int64_t parts = 1; parts <= std::min<int64_t>(4, num_groups); ++parts) {
+    const int64_t tasks = column_tiles * parts;
+    const double idle = static_cast<double>((tasks + workers - 1) / workers * workers - tasks) / tasks;
+    if (idle < best_idle - 1e-9) best = parts, best_idle = idle;
+  }
+  return best;
+}
+
+// One weight's product cut into tasks: run(plan, i) runs task i (any
+// thread); Finish() adds the few-row path's parts past the first, in order.
+struct Plan {
+  Problem p;
+  std::vector<float> x_sums;
+  std::vector<float> partials;
+  int64_t num_tasks = 0, parts = 1, row_tasks = 1, task_rows = 0, width_tiles = 1;
+  void (*run)(Plan& plan, int64_t task) = nullptr;
+
+  void Finish() {
+    const int64_t size = p.rows * p.out_features;
+    for (int64_t at = 0; at < static_cast<int64_t>(partials.size()); at += size)
+      for (int64_t i = 0; i < size; ++i) p.out[i] += partials[at + i];
+  }
+};
+
+template <int64_t kKind, int kVectors>
+void RunFewRows(Plan& plan, int64_t task) {
+  const Problem& p = plan.p;
+  const int64_t part = task % plan.parts;
+  float* out = part == 0 ? p.out : plan.partials.data() + (part - 1) * p.rows * p.out_features;
+  FewRowsTask<kKind, kVectors>(p, task / plan.parts * (kVectors / 4), p.groups * part / plan.parts,
+                               p.groups * (part + 1) / plan.parts, plan.x_sums.data(), out);
+}
+
+template <int64_t kKind>
+void RunManyRows(Plan& plan, int64_t task) {
+  const int64_t row_begin = (task % plan.row_tasks) * plan.task_rows;
+  ManyRowsTask<kKind>(plan.p, task / plan.row_tasks, row_begin, std::min(plan.p.rows, row_begin + plan.task_rows),
+                      plan.parts, plan.x_sums.data());
+}
+
+// Tiles per few-row task: as many as the rows need for 16 accumulators, 4
+// at one row, 2 at two (where they divide the columns), else 1.
+int64_t TaskTiles(int64_t rows, int64_t tiles) {
+  if (rows == 1 && tiles % 4 == 0) return 4;
+  if (rows <= 2 && tiles % 2 == 0) return 2;
+  return 1;
+}
+
+template <int64_t kKind>
+void PlanKind(Plan& plan, int64_t workers) {
+  const Problem& p = plan.p;
+  const int64_t tiles = p.Tiles();
+  // The input parts are sized for the one-row tasks (the fewest), and so
+  // for every row count alike: a row's sums never depend on the rows beside
+  // it. (A 256-column weight at one row is one task of 4 tiles: in 2 parts,
+  // both cores take one.)
+  plan.parts = InputParts(tiles / TaskTiles(1, tiles), p.groups, workers);
+  if (p.rows <= kRowBlock) {
+    plan.partials.resize((plan.parts - 1) * p.rows * p.out_features);
+    const int64_t width = TaskTiles(p.rows, tiles);
+    plan.num_tasks = tiles / width * plan.parts;
+    plan.run = width == 4 ? RunFewRows<kKind, 16> : width == 2 ? RunFewRows<kKind, 8> : RunFewRows<kKind, 4>;
+    return;
+  }
+  int64_t row_tasks = (p.rows + kMaxTaskRows - 1) / kMaxTaskRows;
+  // Equal tasks in a multiple of the workers, where the rows allow.
+  while (tiles * row_tasks % workers != 0 && row_tasks * kTileRows < p.rows) ++row_tasks;
+  plan.row_tasks = row_tasks;
+  plan.task_rows = (p.rows + row_tasks - 1) / row_tasks;
+  plan.num_tasks = row_tasks * tiles;
+  plan.run = RunManyRows<kKind>;
+}
+
+void PlanProduct(Plan& plan, int64_t workers) {
+  if (plan.p.shape.minimums) plan.x_sums = GroupSums(plan.p);
+  switch (plan.p.kind) {
+    case kQ2K: return PlanKind<kQ2K>(plan, workers);
+    case kQ3K: return PlanKind<kQ3K>(plan, workers);
+    case kQ4K: return PlanKind<kQ4K>(plan, workers);
+    case kQ5K: return PlanKind<kQ5K>(plan, workers);
+    default: return PlanKind<kQ6K>(plan, workers);
+  }
+}
+
+// Checks one weight's buffers against x and describes its product in *problem.
+ffi::Error Describe(const ffi::Buffer<ffi::F32>& x, int64_t layer, int64_t kind, ffi::AnyBuffer codes,
+                    ffi::AnyBuffer high, ffi::AnyBuffer sub_scales, ffi::AnyBuffer sub_mins, ffi::AnyBuffer d,
+                    ffi::AnyBuffer dmin, float* out, Problem* problem) {
+  if (kind < kQ2K || kind > kQ6K) return ffi::Error::InvalidArgument("k-quant matmul: unknown kind");
+  Problem p;
+  p.kind = kind;
+  p.shape = ShapeOf(kind);
+  const auto x_dims = x.dimensions();
+  const auto code_dims = codes.dimensions(), scale_dims = sub_scales.dimensions(), d_dims = d.dimensions();
+  if (x_dims.size() != 2 || code_dims.size() != 4 || scale_dims.size() != 4 || d_dims.size() != 4 ||
+      code_dims[3] != kTileColumns) {
+    return ffi::Error::InvalidArgument(
+        "k-quant matmul: x must be [rows, in], the weight's arrays [layers, out / 64, rows, 64]");
+  }
+  p.rows = x_dims[0];
+  p.in = x_dims[1];
+  p.out_features = code_dims[1] * kTileColumns;
+  p.code_rows = p.in * p.shape.low / 8;
+  p.high_rows = p.in * p.shape.high / 8;
+  p.groups = p.in / p.shape.group;
+  p.supers = p.in / kSuperBlock;
+  const int64_t layers = code_dims[0], tiles = code_dims[1];
+  if (p.rows < 1 || p.in % kSuperBlock != 0 || code_dims[2] != p.code_rows || scale_dims[1] != tiles ||
+      scale_dims[2] != p.groups || d_dims[1] != tiles || d_dims[2] != p.supers) {
+    return ffi::Error::InvalidArgument("k-quant matmul: shapes do not match (whole super-blocks of 256 inputs)");
+  }
+  if (layer < 0 || layer >= layers) {
+    return ffi::Error::InvalidArgument("k-quant matmul: layer index outside the stacked weights");
+  }
+  const bool needs_high = p.shape.high > 0;
+  const bool needs_mins = kind == kQ4K || kind == kQ5K;
+  if ((needs_high && high.dimensions().size() != 4) || (needs_mins && sub_mins.dimensions().size() != 4) ||
+      (p.shape.minimums && dmin.dimensions().size() != 4)) {
+    return ffi::Error::InvalidArgument("k-quant matmul: this kind needs its high bits, minimums and dmin");
+  }
+  const int64_t tile_area = tiles * kTileColumns;
+  p.codes = static_cast<const uint8_t*>(codes.untyped_data()) + layer * p.code_rows * tile_area;
+  p.high = needs_high ? static_cast<const uint8_t*>(high.untyped_data()) + layer * p.high_rows * tile_area : nullptr;
+  p.sub_scales = static_cast<const uint8_t*>(sub_scales.untyped_data()) + layer * p.groups * tile_area;
+  p.sub_mins = needs_mins ? static_cast<const uint8_t*>(sub_mins.untyped_data()) + layer * p.groups * tile_area
+                          : nullptr;
+  p.d = static_cast<const uint16_t*>(d.untyped_data()) + layer * p.supers * tile_area;
+  p.dmin = p.shape.minimums ? static_cast<const uint16_t*>(dmin.untyped_data()) + layer * p.supers * tile_area
+                            : nullptr;
+  p.x = x.typed_data();
+  p.out = out;
+  *problem = p;
+  return ffi::Error::Success();
+}
+
+constexpr int64_t kBuffersPerWeight = 6;
+
+// x times one layer of each of several weights, in one parallel loop (the
+// weights' tasks one after another, in the order of their memory).
+ffi::Error KQuantMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                             ffi::RemainingArgs weights, ffi::RemainingRets outs, ffi::Span<const int64_t> kinds) {
+  const int64_t count = static_cast<int64_t>(outs.size());
+  if (count == 0 || static_cast<int64_t>(weights.size()) != kBuffersPerWeight * count ||
+      static_cast<int64_t>(kinds.size()) != count) {
+    return ffi::Error::InvalidArgument("k-quant matmul: give six arrays and a kind for each output");
+  }
+  const int64_t workers = jaxinfer::NumWorkers(thread_pool);
+  std::vector<std::unique_ptr<Plan>> plans;
+  std::vector<int64_t> first_task{0};
+  for (int64_t j = 0; j < count; ++j) {
+    std::vector<ffi::AnyBuffer> arrays;
+    for (int64_t a = 0; a < kBuffersPerWeight; ++a) {
+      auto buffer = weights.get<ffi::AnyBuffer>(kBuffersPerWeight * j + a);
+      if (buffer.has_error()) return buffer.error();
+      arrays.push_back(buffer.value());
+    }
+    auto out = outs.get<ffi::Buffer<ffi::F32>>(j);
+    if (out.has_error()) return out.error();
+    plans.push_back(std::make_unique<Plan>());
+    ffi::Error error = Describe(x, layer.typed_data()[0], kinds[j], arrays[0], arrays[1], arrays[2], arrays[3],
+                                arrays[4], arrays[5], out.value()->typed_data(), &plans.back()->p);
+    if (error.failure()) return error;
+    PlanProduct(*plans.back(), workers);
+    first_task.push_back(first_task.back() + plans.back()->num_tasks);
+  }
+  jaxinfer::ParallelFor(thread_pool, first_task.back(), [&plans, &first_task](int64_t task) {
+    const int64_t j = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+    plans[j]->run(*plans[j], task - first_task[j]);
+  });
+  for (auto& plan : plans) plan->Finish();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferKQuantMatmuls, KQuantMatmulsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .RemainingArgs()               // six arrays of each weight
+                                  .RemainingRets()               // each weight's out
+                                  .Attr<ffi::Span<const int64_t>>("kinds"));

@@ -1,0 +1,97 @@
+"""x @ K-quant weights (quant/kquant.py: Q2_K .. Q6_K as the file stores them)
+on CPU: kquant_matmul.cc, float32 activations, the weight's exact values,
+1 to max_rows() rows; built with the machine's compiler on first use
+(native/build.py). The int8-activation path for the same weights ("gguf-a8")
+is q8_matmul.cc's second handler (q8_kquant_matmul).
+
+Why native code: the XLA path (quant/linear.py) dequantizes the weight into a
+float32 copy on every call; the kernels read the codes and two-level scales
+once, in place, from the stacked weights of every layer plus a layer index
+(quant/layer_weights.py, LayerOf), and expand them in registers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.native.build import cpu_has, native_ffi_target
+from jaxinfer.quant.kquant import SUPER_BLOCK, KQuantTensor
+
+SOURCE = Path(__file__).with_suffix(".cc")
+TARGET_NAME = "jaxinfer_kquant_matmul"
+Q8_SOURCE = Path(__file__).with_name("q8_matmul.cc")
+Q8_TARGET_NAME = "jaxinfer_q8_kquant_matmul"
+KINDS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # kquant_matmul.cc's Kind
+TILE = 64  # columns per tile: the kernels read tiled weights only
+# Rows up to which the exact kernel serves (as native/matmul.py's MAX_ROWS:
+# the engine's steps are 256 rows by default); past it quant/linear.py.
+MAX_ROWS = 512
+
+
+def available() -> bool:
+    """Whether the exact kernel is built and registered (built on first call; AVX-512 only)."""
+    return cpu_has("avx512f") and native_ffi_target(str(SOURCE), "JaxinferKQuantMatmuls", TARGET_NAME)
+
+
+def q8_available() -> bool:
+    """Whether the int8-activation kernel is built and registered (AVX512-VNNI only)."""
+    return native_ffi_target(str(Q8_SOURCE), "JaxinferQ8KQuantMatmul", Q8_TARGET_NAME)
+
+
+def tileable(w: KQuantTensor) -> bool:
+    """Whether w should be stored in tiles of TILE columns: the kernels read no other layout."""
+    return cpu_has("avx512f") and not w.tile and w.out_features % TILE == 0 and w.in_features % 256 == 0
+
+
+def _layout_ok(w: KQuantTensor) -> bool:
+    return w.tile == TILE and w.codes.ndim in (3, 4)
+
+
+def supports(rows: int, w: KQuantTensor) -> bool:
+    """Whether the exact kernel serves x [rows, in] @ w (tiled, at most one leading layer axis)."""
+    return jax.default_backend() == "cpu" and 1 <= rows <= MAX_ROWS and _layout_ok(w) and available()
+
+
+def supports_q8(rows: int, w: KQuantTensor) -> bool:
+    """Whether the int8-activation kernel serves x [rows, in] @ w (w with activation_block)."""
+    return (jax.default_backend() == "cpu" and rows >= 1 and w.activation_block == SUPER_BLOCK and _layout_ok(w)
+            and q8_available())
+
+
+def _arrays(w: KQuantTensor) -> list:
+    """w's six arrays with a leading layer axis (a free reshape), [1] placeholders where absent."""
+    def stacked(a, dtype):
+        if a is None:
+            return jnp.zeros((1,), dtype)
+        return a[None] if a.ndim == 3 else a
+    return [stacked(w.codes, jnp.uint8), stacked(w.high, jnp.uint8), stacked(w.sub_scales, jnp.uint8),
+            stacked(w.sub_mins, jnp.uint8), stacked(w.d, jnp.float16), stacked(w.dmin, jnp.float16)]
+
+
+def kquant_matmuls(x, ws: list[KQuantTensor], layer_index=0) -> list[jax.Array]:
+    """[x [rows, in] @ layer `layer_index` of w -> float32 [rows, out] for w in
+    ws] in one kernel call (the cores share out every weight's tasks)."""
+    if not available():
+        raise RuntimeError("the CPU K-quant matmul kernel is not available here (see the warning above)")
+    buffers = [a for w in ws for a in _arrays(w)]
+    call = jax.ffi.ffi_call(TARGET_NAME, [jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32)
+                                          for w in ws])
+    kinds = np.array([KINDS.index(w.kind) for w in ws], np.int64)
+    return list(call(x.astype(jnp.float32), jnp.asarray(layer_index, jnp.int32), *buffers, kinds=kinds))
+
+
+def kquant_matmul(x, w: KQuantTensor, layer_index=0) -> jax.Array:
+    return kquant_matmuls(x, [w], layer_index)[0]
+
+
+def q8_kquant_matmul(x, w: KQuantTensor, layer_index=0) -> jax.Array:
+    """int8_blocks(x, w.activation_block) [rows, in] @ layer `layer_index` of w -> float32 [rows, out]."""
+    if not q8_available():
+        raise RuntimeError("the CPU int8-activation K-quant kernel is not available here (see the warning above)")
+    call = jax.ffi.ffi_call(Q8_TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32))
+    return call(x.astype(jnp.float32), jnp.asarray(layer_index, jnp.int32), *_arrays(w),
+                kind=np.int64(KINDS.index(w.kind)))

@@ -1,0 +1,258 @@
+"""KQuantTensor: a weight matrix in one of llama.cpp's K-quant formats (Q2_K,
+Q3_K, Q4_K, Q5_K, Q6_K), held at the file's own size: the codes at their own
+bit width and the two levels of scales as the file stores them, expanded to
+floats only inside a kernel's registers (native/kquant_matmul.cc,
+native/q8_matmul.cc) or by `dequantize`, the reference every path is held to.
+
+Why not a QuantizedTensor (quant/tensor.py): a K-quant weight's scale is a
+float16 super-scale `d` per 256 inputs times a small integer sub-scale per
+16 or 32 inputs. Multiplied out into float32 per group (exact, but 4 bytes a
+group), and with 5- and 6-bit codes widened to int8, a Q4_K_M model read
+308 MiB a decode step where its file holds ~200 MB (BENCHMARKS.md, "K-quant
+files"). Here the bytes held are the file's, give or take the sub-scales'
+packing (one byte per 6-bit sub-scale: Q4_K +2.8%, Q5_K +2.3%, Q3_K +3.6%;
+Q2_K and Q6_K exactly the file's).
+
+Logical value: a matrix [..., in, out] (params store linear weights [in,
+out]); `in` runs over super-blocks of 256 inputs, each cut into groups of
+`group` inputs (16 or 32):
+
+    code   = low | high << low_bits                      (unsigned, 0 .. 2^bits - 1)
+    scale  = float32(d[s]) * float32(sub_scale[g])        s = i // 256, g = i // group
+    min    = float32(dmin[s]) * float32(sub_min[g])       (kinds with minimums)
+    value  = scale * float32(code - bias) - min
+
+in float32, the operations and their order of gguf.quants.dequantize, so the
+values are the file's bit for bit.
+
+kind   low  high  group  bias  sub_scales                     minimums
+q2_k   2    -     16     0     uint8: scale | min << 4          the same byte's high nibble, dmin
+q3_k   2    1     16     4     int8: the 6-bit scale - 32       none
+q4_k   4    -     32     0     uint8: 6-bit scale               sub_mins uint8 (6-bit), dmin
+q5_k   4    1     32     0     uint8: 6-bit scale               sub_mins uint8 (6-bit), dmin
+q6_k   4    2     16     32    int8                             none
+
+Planes (plain layout; leading axes are stacked layers):
+  codes     uint8 [..., in * low / 8, out]: byte row j holds inputs
+            (8 / low) * j + b in bits [low * b, low * b + low)
+  high      uint8 [..., in * high / 8, out], the same rule with high bits; None where high is 0
+  sub_scales [..., in // group, out], sub_mins uint8 the same or None
+  d         float16 [..., in // 256, out], dmin the same or None
+
+tile  0: as above. 64: every array's out axis cut into tiles of 64 columns
+      stored one after another, so that a kernel task (64 columns, every
+      input) reads contiguous runs. The scales as [..., out // 64, rows, 64].
+      The code planes in 32-bit words, one word per column holding 32 / bits
+      inputs: uint8 [..., out // 64, in * bits / 8, 64], where 64-byte line
+      4c + q holds word c of columns 16q .. 16q + 15 (a run of 32 / bits
+      inputs for each). In a low word input u sits at bit low * u; in a
+      high word, which spans one or more runs of low words, input u of its
+      run h at bit 8 * (u / per_byte) + high * (h * per_byte + u % per_byte),
+      per_byte = 8 / low (_word_positions). Why: a 32-bit shift then leaves
+      any input's code of 16 columns in the low bits of their lanes, where a
+      table lookup of 16 floats turns it into floats
+      (native/kquant_matmul.cc); and one shift and mask of a low word and of
+      its high word gives each byte the whole code of one input, 4 inputs a
+      column, as the int8 dot product (vpdpbusd) multiplies them
+      (native/q8_matmul.cc).
+
+activation_block  0 or, for the "gguf-a8" load, 256: the activations are
+      rounded to int8 in blocks of a super-block (quant/schemes.py,
+      int8_blocks), as llama.cpp multiplies these formats (its Q8_K), so
+      that the integer sub-scales apply to exact integer dot products
+      (native/q8_matmul.cc).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPER_BLOCK = 256  # inputs per float16 super-scale, every kind
+TILE = 64          # columns per tile (the kernels' only layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class KFormat:
+    low_bits: int
+    high_bits: int
+    group: int
+    bias: int
+    signed_scales: bool  # sub_scales int8 (else uint8)
+    minimums: str        # "" (none), "separate" (sub_mins), "packed" (sub_scales' high nibble)
+
+
+FORMATS = {
+    "q2_k": KFormat(2, 0, 16, 0, False, "packed"),
+    "q3_k": KFormat(2, 1, 16, 4, True, ""),
+    "q4_k": KFormat(4, 0, 32, 0, False, "separate"),
+    "q5_k": KFormat(4, 1, 32, 0, False, "separate"),
+    "q6_k": KFormat(4, 2, 16, 32, True, ""),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KQuantTensor:
+    codes: jax.Array
+    high: jax.Array | None
+    sub_scales: jax.Array
+    sub_mins: jax.Array | None
+    d: jax.Array
+    dmin: jax.Array | None
+    kind: str = dataclasses.field(metadata=dict(static=True))
+    activation_block: int = dataclasses.field(default=0, metadata=dict(static=True))
+    tile: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+    @property
+    def format(self) -> KFormat:
+        return FORMATS[self.kind]
+
+    @property
+    def group_size(self) -> int:
+        return self.format.group
+
+    @property
+    def in_features(self) -> int:
+        return self.sub_scales.shape[-2] * self.format.group
+
+    @property
+    def out_features(self) -> int:
+        return self.sub_scales.shape[-1] * (self.sub_scales.shape[-3] if self.tile else 1)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical (dequantized) shape."""
+        return (*self.sub_scales.shape[:-3 if self.tile else -2], self.in_features, self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
+
+    def tiled(self, tile: int) -> KQuantTensor:
+        """The same weight in tiles of `tile` (64) columns, the code planes in
+        32-bit words (see the module docstring). Done in numpy on concrete
+        arrays, as QuantizedTensor.tiled."""
+        if self.tile or tile != TILE or self.out_features % tile:
+            raise ValueError(f"cannot tile a {self.kind} tensor of {self.out_features} columns "
+                             f"(tile {self.tile}) by {tile}")
+        f = self.format
+
+        def to_tiles(a):  # [..., rows, out] -> [..., out // tile, rows, tile]
+            if a is None:
+                return None
+            a = np.asarray(a)
+            return jnp.asarray(np.ascontiguousarray(np.swapaxes(a.reshape(*a.shape[:-1], -1, tile), -3, -2)))
+
+        def plane_to_words(packed, bits, positions):
+            values = _unpack_bits_np(np.asarray(packed), bits).astype(np.uint32)  # [..., in, out]
+            per_word = 32 // bits
+            values = values.reshape(*values.shape[:-2], -1, per_word, values.shape[-1])  # [..., words, u, out]
+            words = np.zeros(values.shape[:-2] + values.shape[-1:], np.uint32)
+            for u in range(per_word):
+                words |= values[..., u, :] << np.uint32(positions[u])
+            # [..., words, out] -> [..., tiles, words, quarters, 16] -> bytes [..., tiles, words * 4, 64]
+            words = words.reshape(*words.shape[:-1], -1, 4, tile // 4)
+            words = np.moveaxis(words, -3, -4)
+            tiles = np.ascontiguousarray(words).astype("<u4").view(np.uint8)
+            return jnp.asarray(tiles.reshape(*tiles.shape[:-3], -1, tile))
+        high = None if self.high is None else plane_to_words(self.high, f.high_bits, _word_positions(f, True))
+        return dataclasses.replace(
+            self, codes=plane_to_words(self.codes, f.low_bits, _word_positions(f, False)), high=high,
+            sub_scales=to_tiles(self.sub_scales), sub_mins=to_tiles(self.sub_mins), d=to_tiles(self.d),
+            dmin=to_tiles(self.dmin), tile=tile)
+
+    def untiled(self) -> KQuantTensor:
+        """The same weight in the plain layout (itself where it is not tiled)."""
+        if not self.tile:
+            return self
+        f = self.format
+
+        def from_tiles(a):  # [..., out // tile, rows, tile] -> [..., rows, out]
+            if a is None:
+                return None
+            return jnp.swapaxes(a, -3, -2).reshape(*a.shape[:-3], a.shape[-2], -1)
+
+        def words_to_plane(tiles, bits, positions):
+            lines = tiles.reshape(*tiles.shape[:-2], -1, 4, self.tile // 4, 4)  # [..., tiles, words, q, 16, 4]
+            words = jax.lax.bitcast_convert_type(lines, jnp.uint32)  # [..., tiles, words, q, 16]
+            mask = jnp.uint32((1 << bits) - 1)
+            values = jnp.stack([(words >> jnp.uint32(int(pos))) & mask for pos in positions], axis=-3)
+            # [..., tiles, words, u, q, 16] -> [..., words, u, tiles, q, 16] -> [..., in, out]
+            values = jnp.moveaxis(values, -5, -3)
+            values = values.reshape(*values.shape[:-5], -1, values.shape[-3] * values.shape[-2] * values.shape[-1])
+            return pack_bits(values.astype(jnp.uint8), bits)
+        high = None if self.high is None else words_to_plane(self.high, f.high_bits, _word_positions(f, True))
+        return dataclasses.replace(
+            self, codes=words_to_plane(self.codes, f.low_bits, _word_positions(f, False)), high=high,
+            sub_scales=from_tiles(self.sub_scales), sub_mins=from_tiles(self.sub_mins), d=from_tiles(self.d),
+            dmin=from_tiles(self.dmin), tile=0)
+
+
+def _word_positions(f: KFormat, high: bool) -> list[int]:
+    """The bit of each input of a tiled plane's 32-bit word (module docstring)."""
+    if not high:
+        return [f.low_bits * u for u in range(32 // f.low_bits)]
+    run, per_byte = 32 // f.low_bits, 8 // f.low_bits
+    positions = []
+    for j in range(32 // f.high_bits):
+        h, u = divmod(j, run)
+        positions.append(8 * (u // per_byte) + f.high_bits * (h * per_byte + u % per_byte))
+    return positions
+
+
+def _unpack_bits_np(packed: np.ndarray, bits: int) -> np.ndarray:
+    per_byte = 8 // bits
+    parts = np.stack([(packed >> (bits * b)) & ((1 << bits) - 1) for b in range(per_byte)], axis=-2)
+    return parts.reshape(*packed.shape[:-2], packed.shape[-2] * per_byte, packed.shape[-1])
+
+
+def pack_bits(values, bits: int):
+    """uint8 [..., in, out] of `bits`-bit values -> uint8 [..., in * bits / 8, out]:
+    byte row j holds rows (8 / bits) * j + b in bits [bits * b, bits * b + bits)."""
+    per_byte = 8 // bits
+    values = values.astype(jnp.uint8) if isinstance(values, jax.Array) else np.asarray(values, np.uint8)
+    rows = values.reshape(*values.shape[:-2], values.shape[-2] // per_byte, per_byte, values.shape[-1])
+    packed = rows[..., 0, :]
+    for b in range(1, per_byte):
+        packed = packed | (rows[..., b, :] << (bits * b))
+    return packed
+
+
+def unpack_bits(packed, bits: int):
+    """The inverse of pack_bits: uint8 [..., rows, out] -> [..., rows * 8 / bits, out]."""
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    parts = jnp.stack([(packed >> (bits * b)) & mask for b in range(per_byte)], axis=-2)
+    return parts.reshape(*packed.shape[:-2], packed.shape[-2] * per_byte, packed.shape[-1])
+
+
+def sub_scale_values(w: KQuantTensor):
+    """(sub-scales, sub-minimums or None) of a plain-layout w as float32 [..., in // group, out]."""
+    f = w.format
+    if f.minimums == "packed":
+        return (w.sub_scales & 0x0F).astype(jnp.float32), (w.sub_scales >> 4).astype(jnp.float32)
+    minimums = None if w.sub_mins is None else w.sub_mins.astype(jnp.float32)
+    return w.sub_scales.astype(jnp.float32), minimums
+
+
+def dequantize(w: KQuantTensor, dtype=jnp.float32) -> jax.Array:
+    """The reference: the logical [..., in, out] matrix, in float32 as
+    gguf.quants.dequantize computes it (then cast to `dtype`)."""
+    w = w.untiled()
+    f = w.format
+    codes = unpack_bits(w.codes, f.low_bits)
+    if f.high_bits:
+        codes = codes | (unpack_bits(w.high, f.high_bits) << f.low_bits)
+    q = (codes.astype(jnp.int32) - f.bias).astype(jnp.float32)
+    per_group = SUPER_BLOCK // f.group
+    sub_scales, sub_mins = sub_scale_values(w)
+    scales = jnp.repeat(w.d.astype(jnp.float32), per_group, axis=-2) * sub_scales  # [..., groups, out]
+    groups = q.reshape(*q.shape[:-2], -1, f.group, q.shape[-1]) * scales[..., None, :]
+    if sub_mins is not None:
+        minimums = jnp.repeat(w.dmin.astype(jnp.float32), per_group, axis=-2) * sub_mins
+        groups = groups - minimums[..., None, :]
+    return groups.reshape(q.shape).astype(dtype)

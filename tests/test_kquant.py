@@ -1,0 +1,283 @@
+"""K-quant weights (Q2_K .. Q6_K) held at the file's size (quant/kquant.py),
+their CPU kernels (native/kquant_matmul.cc, q8_matmul.cc's K-quant handler),
+mixed-type stacks (quant/mixed_stack.py) and the other GGUF types.
+
+References, all independent of the code under test: gguf.quants.dequantize
+of the raw blocks (bit for bit in float32), float64 numpy products of those
+values (and of activations rounded to int8 blocks here, for gguf-a8), the
+float load of the same file (its weights dequantized by gguf), HF
+transformers' own GGUF loader, and perplexity of that float load. Files are
+written with the gguf package (random K-quant blocks: it has no K-quant
+quantizer)."""
+
+import dataclasses
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer.backends import CpuBackend, XlaBackend
+from jaxinfer.errors import CheckpointError
+from jaxinfer.loading.gguf import SUPPORTED_TENSOR_TYPES, blocks_to_kquant, open_gguf, unpermute_rows
+from jaxinfer.loading.model import Model
+from jaxinfer.native import kquant_matmul
+from jaxinfer.perplexity import perplexity
+from jaxinfer.quant.kquant import KQuantTensor, dequantize
+from jaxinfer.quant.layer_weights import LayerOf
+from jaxinfer.quant.mixed_stack import MixedStack
+from jaxinfer.quant.params import LINEAR_KEYS
+from tests.gguf_writer import gguf_name, random_k_blocks, write_gguf
+from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model
+
+Q = gguf.GGMLQuantizationType
+K_TYPES = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+CPU = CpuBackend()
+
+
+def test_kernels_build_here():
+    # Not a skip: CI has g++ and an AVX512-VNNI CPU, and without the kernels
+    # K-quant files decode through a float copy of every weight.
+    assert kquant_matmul.available() and kquant_matmul.q8_available()
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("heads", [None, 4])
+def test_blocks_dequantize_to_ggufs_values_bit_for_bit(qtype, heads):
+    """Random blocks (with and without llama.cpp's Q/K row order undone): the
+    held form dequantizes to gguf's own float32 values, plain and tiled, and
+    holds the file's bytes (Q2_K, Q6_K) or at most 4% more (one byte per 6-bit
+    sub-scale)."""
+    raw = random_k_blocks(np.random.default_rng(5), qtype, 128, 512)
+    expected = gguf.quants.dequantize(raw, qtype)  # [out, in]
+    if heads:
+        expected = unpermute_rows(expected, heads)
+    w = jax.device_put(blocks_to_kquant(raw, qtype, 128, 512, heads))
+    assert w.shape == (512, 128)
+    np.testing.assert_array_equal(np.asarray(dequantize(w)), expected.T)
+    tiled = w.tiled(64)
+    np.testing.assert_array_equal(np.asarray(dequantize(tiled)), expected.T)
+    for a, b in zip(jax.tree.leaves(tiled.untiled()), jax.tree.leaves(w)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert raw.nbytes <= w.nbytes <= 1.04 * raw.nbytes
+
+
+def stacked_weight(qtype, layers: int, in_features: int, out_features: int, seed: int = 0):
+    """(tiled KQuantTensor [layers, in, out], float64 values [layers, in, out]) from random blocks."""
+    raws = [random_k_blocks(np.random.default_rng(seed + i), qtype, out_features, in_features) for i in range(layers)]
+    w = jax.tree.map(lambda *a: jnp.stack(a), *[blocks_to_kquant(r, qtype, out_features, in_features) for r in raws])
+    values = np.stack([gguf.quants.dequantize(r, qtype).T.astype(np.float64) for r in raws])
+    return w.tiled(64), values
+
+
+def assert_matches(actual, expected):
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def int8_blocks64(x: np.ndarray, block: int) -> np.ndarray:
+    """x rounded to int8 in blocks of `block` inputs (absmax / 127, half to even), float64."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, block)
+    scale = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+    scale = np.where(scale > 0, scale, np.float32(1))
+    q = np.clip(np.round(blocks / scale), -127, 127)
+    return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_kernels_match_float64(qtype):
+    """The exact kernel at 1, 2, 5 (few-row path: tasks of 4, 2 and 1 tiles),
+    23 and 40 rows (many-row path) and the gguf-a8 kernel at 1, 3 and 17
+    rows (activations rounded to int8 per 256 inputs here), against float64
+    products of gguf's values; layer 1 of 2; and each row bit for bit its
+    result alone."""
+    w, values = stacked_weight(qtype, 2, 512, 256)
+    rng = np.random.default_rng(int(qtype))
+    exact = jax.jit(kquant_matmul.kquant_matmul)
+    for rows in (1, 2, 5, 23, 40):
+        x = rng.standard_normal((rows, 512)).astype(np.float32)
+        y = np.asarray(exact(x, w, 1))
+        assert_matches(y, x.astype(np.float64) @ values[1])
+        np.testing.assert_array_equal(y[-1], np.asarray(exact(x[-1:], w, 1))[0])
+    a8 = dataclasses.replace(w, activation_block=256)
+    q8 = jax.jit(kquant_matmul.q8_kquant_matmul)
+    for rows in (1, 3, 17):
+        x = rng.standard_normal((rows, 512)).astype(np.float32)
+        y = np.asarray(q8(x, a8, 1))
+        assert_matches(y, int8_blocks64(x, 256) @ values[1])
+        np.testing.assert_array_equal(y[0], np.asarray(q8(x[:1], a8, 1))[0])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_a_row_does_not_depend_on_the_rows_beside_it(qtype):
+    """Every row count up to 8 (each its own split of rows and columns) and
+    past it (13, 32, 75: one task or several, the many-row path) gives each
+    row bit for bit its one-row result, in both kernels."""
+    w, _ = stacked_weight(qtype, 1, 256, 192, seed=9)
+    x = np.random.default_rng(7).standard_normal((75, 256)).astype(np.float32)
+    a8 = dataclasses.replace(w, activation_block=256)
+    for kernel, weight in ((kquant_matmul.kquant_matmul, w), (kquant_matmul.q8_kquant_matmul, a8)):
+        run = jax.jit(kernel)
+        alone = np.stack([np.asarray(run(x[r:r + 1], weight, 0))[0] for r in range(75)])
+        for rows in [*range(2, 9), 13, 32, 75]:
+            np.testing.assert_array_equal(np.asarray(run(x[:rows], weight, 0)), alone[:rows])
+
+
+def test_several_kinds_in_one_call():
+    """A layer's q, k and v in one kernel call, each of its own kind: each
+    bit for bit its own call, and the CPU backend's linears makes one call."""
+    pairs = [stacked_weight(q, 2, 256, out, seed=s) for s, (q, out) in
+             enumerate([(Q.Q4_K, 256), (Q.Q3_K, 64), (Q.Q6_K, 64)])]
+    ws = [w for w, _ in pairs]
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 256)), jnp.float32)
+    together = jax.jit(kquant_matmul.kquant_matmuls)(x, ws, 1)
+    for y, w, (_, values) in zip(together, ws, pairs):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(kquant_matmul.kquant_matmul)(x, w, 1)))
+        assert_matches(np.asarray(y), np.asarray(x, np.float64) @ values[1])
+    fn = jax.jit(lambda x, ws, i: CPU.linears(x, [LayerOf(w, i) for w in ws]))
+    assert fn.lower(x, ws, jnp.int32(1)).as_text().count(f"custom_call @{kquant_matmul.TARGET_NAME}(") == 1
+
+
+# A Q4_K_M-like mix, with Q3_K_M's and Q2_K's types too: every linear weight a
+# K-quant, some of them mixing two types over the layers.
+MIX = {"blk.1.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K, "blk.0.ffn_up.weight": Q.Q5_K,
+       "blk.0.attn_q.weight": Q.Q3_K, "blk.1.attn_q.weight": Q.Q2_K, "output.weight": Q.Q6_K}
+
+
+@pytest.fixture(scope="module")
+def mixed_file(tmp_path_factory):
+    hf_model = make_hf_model("llama_kquant", seed=13)
+    rng = np.random.default_rng(6)
+    override = {}
+    for name, param in hf_model.state_dict().items():
+        target = gguf_name(name)
+        if name.endswith("proj.weight") or target == "output.weight":
+            qtype = MIX.get(target, Q.Q4_K)
+            override[target] = (random_k_blocks(rng, qtype, *param.shape), qtype)
+    return write_gguf(hf_model, tmp_path_factory.mktemp("kquant") / "m.gguf", tensor_type_override=override)
+
+
+@pytest.fixture(scope="module")
+def float_load(mixed_file):
+    return jaxinfer.load(str(mixed_file), progress=False, quantization=None)
+
+
+@pytest.fixture(scope="module")
+def kquant_load(mixed_file):
+    return jaxinfer.load(str(mixed_file), progress=False)  # "auto": the file's blocks on CPU
+
+
+TOKENS = np.arange(1, 40)
+
+
+def test_file_loads_at_its_own_size_with_the_float_loads_logits(mixed_file, kquant_load, float_load):
+    """quantization="auto" on CPU: every linear weight and the untied head
+    in their K-quant blocks, a weight mixing types one stack per type, each
+    layer dequantizing to the float load's weight; the bytes held within 4%
+    of the file's tensors; logits those of the float load (and of HF
+    transformers' GGUF loader) to float32 rounding."""
+    transformers = pytest.importorskip("transformers")
+    layers = kquant_load.params["layers"]
+    assert isinstance(layers["wq"], MixedStack) and isinstance(layers["wk"], KQuantTensor)
+    assert sorted(p.kind for p in layers["wq"].parts) == ["q2_k", "q3_k"]
+    assert isinstance(kquant_load.params["lm_head"], KQuantTensor)
+    for key in LINEAR_KEYS:
+        w = layers[key]
+        for i in range(2):
+            held = w.layer(i) if isinstance(w, MixedStack) else jax.tree.map(lambda a: a[i], w)
+            np.testing.assert_array_equal(np.asarray(dequantize(held)),
+                                          np.asarray(float_load.params["layers"][key][i]), key)
+    _, source, _ = open_gguf(mixed_file)
+    held = sum(a.nbytes for k in LINEAR_KEYS for a in jax.tree.leaves(layers[k]))
+    held += sum(a.nbytes for a in jax.tree.leaves(kquant_load.params["lm_head"]))
+    stored = sum(t.data.nbytes for t in source._tensors.values() if t.tensor_type in K_TYPES)
+    assert stored <= held <= 1.04 * stored
+    assert_logits_close(kquant_load.logits(TOKENS), float_load.logits(TOKENS), rtol=1e-5)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(mixed_file.parent), gguf_file=mixed_file.name, dtype="float32").eval()
+    assert_logits_close(kquant_load.logits(TOKENS), hf_logits(hf_model, TOKENS), rtol=1e-4)
+
+
+def test_xla_backend_runs_the_same_weights(kquant_load, float_load):
+    """The plain reference (XlaBackend: dequantize, then a float matmul;
+    mixed stacks under its scan) on the CPU load's own params."""
+    reference = Model(kquant_load.config, kquant_load.params, None, np.float32, "", 0.0, None, "gguf",
+                      kquant_load.config, XlaBackend().with_dtype(np.float32))
+    assert_logits_close(reference.logits(TOKENS), float_load.logits(TOKENS), rtol=1e-5)
+
+
+def test_gguf_a8_multiplies_int8_blocks(mixed_file, kquant_load):
+    """quantization="gguf-a8": every K-quant weight (mixed stacks' parts too)
+    marked for int8 activations in blocks of a super-block (llama.cpp's
+    Q8_K) and multiplied by the kernel, with logits those of the XLA
+    reference of the same params to 1%: the two round the same activations
+    to int8 but sum floats in other orders, and a hidden value that lands
+    on the other side of a rounding boundary moves by a whole int8 step
+    (each single product is held to 1e-5 in test_kernels_match_float64)."""
+    a8 = jaxinfer.load(str(mixed_file), progress=False, quantization="gguf-a8")
+    for key in LINEAR_KEYS:
+        w = a8.params["layers"][key]
+        for part in (w.parts if isinstance(w, MixedStack) else [w]):
+            assert part.activation_block == 256, key
+    reference = Model(a8.config, a8.params, None, np.float32, "", 0.0, None, "gguf-a8", a8.config,
+                      XlaBackend().with_dtype(np.float32))
+    assert_logits_close(a8.logits(TOKENS), reference.logits(TOKENS), rtol=1e-2)
+
+
+def test_perplexity_unchanged_against_the_float_load(kquant_load, float_load):
+    """Perplexity of a text the tests own (its ASCII bytes as token ids of
+    the 128-token vocabulary), through the engine's scoring path."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent / "data" / "eval_text.txt").read_text()
+    ids = [b for b in text.encode("ascii", "ignore")[:600]]
+    ours = perplexity(kquant_load, ids, context_len=256, stride=128).perplexity
+    expected = perplexity(float_load, ids, context_len=256, stride=128).perplexity
+    assert abs(ours / expected - 1) < 1e-5
+
+
+# Every block type gguf.quants can dequantize, besides those above. Random
+# bytes are valid blocks for all of them (a NaN super-scale is a NaN weight
+# either way; assert_array_equal counts NaNs equal).
+OTHER_TYPES = sorted(SUPPORTED_TENSOR_TYPES - {Q.F32, Q.F16, *K_TYPES})
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+def test_every_other_type_loads_dequantized(tmp_path):
+    """Each linear slot of a tiny file in another block type (i-quants,
+    ternary, FP4, the classic ones): the loaded weight is gguf's
+    dequantization of the file's bytes, and the model runs."""
+    hf_model = make_hf_model("llama_kquant", seed=3)
+    slots = [n for n in hf_model.state_dict() if n.endswith("proj.weight")]
+    rng = np.random.default_rng(2)
+    for start in range(0, len(OTHER_TYPES), len(slots)):
+        chosen = dict(zip(slots, OTHER_TYPES[start:start + len(slots)]))
+        override = {}
+        for name, qtype in chosen.items():
+            rows, columns = hf_model.state_dict()[name].shape
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            override[gguf_name(name)] = (rng.integers(0, 256, (rows, columns // block * size), dtype=np.uint8), qtype)
+        path = write_gguf(hf_model, tmp_path / f"types{start}.gguf", tensor_type_override=override)
+        _, source, _ = open_gguf(path)
+        for name, qtype in chosen.items():
+            raw = override[gguf_name(name)][0]
+            expected = gguf.quants.dequantize(raw, qtype)
+            if "q_proj" in name or "k_proj" in name:
+                expected = unpermute_rows(expected, 4 if "q_proj" in name else 2)
+            np.testing.assert_array_equal(source.get(name), expected, qtype.name)
+        assert jaxinfer.load(str(path), progress=False).logits(TOKENS[:4]).shape == (4, 128)
+
+
+@pytest.mark.parametrize("qtype", [t for t in Q if t not in SUPPORTED_TENSOR_TYPES and t in gguf.GGML_QUANT_SIZES
+                                   and gguf.GGML_QUANT_SIZES[t][0] > 1], ids=lambda q: q.name)
+def test_a_type_without_a_dequantizer_is_named(tmp_path, qtype):
+    """A block type gguf cannot dequantize (llama.cpp's internal Q8_1 / Q8_K,
+    formats newer than the package) fails at load with an error naming it."""
+    hf_model = make_hf_model("llama_kquant", seed=3)
+    rows, columns = hf_model.state_dict()["model.layers.0.mlp.up_proj.weight"].shape
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.zeros((rows, columns // block * size), np.uint8)
+    path = write_gguf(hf_model, tmp_path / "m.gguf", tensor_type_override={"blk.0.ffn_up.weight": (raw, qtype)})
+    with pytest.raises(CheckpointError, match=rf"blk\.0\.ffn_up\.weight.*{qtype.name}"):
+        jaxinfer.load(str(path), progress=False)
