@@ -51,7 +51,8 @@ def _run_checks(group: str, devices: int) -> str:
 @pytest.mark.parametrize("group", ["tp-xla", "tp-pallas-int8", "specs"])
 def test_tensor_parallel_equals_single_device(group):
     """TP 2/4/8 greedy tokens, logprobs and logits equal the single-device
-    model's (float/XLA; int8 weights with the Pallas kernels under shard_map);
+    model's (float/XLA; int8 weights with the Pallas kernels under shard_map
+    at TP 4);
     every weight's sharding is its declared spec; orbax and safetensors loads
     land in shards; the compiled step has only the Megatron collectives."""
     out = _run_checks(group, devices=8)
@@ -59,7 +60,7 @@ def test_tensor_parallel_equals_single_device(group):
 
 
 def test_lora_tensor_parallel_equals_single_device():
-    """LoRA adapters at TP 2 and 4: A/B split with their base weights, a
+    """LoRA adapters at TP 4 (and TP 2 over int8 weights): A/B split with their base weights, a
     mixed-adapter batch's logits and greedy tokens equal the single-device
     LoRA engine's (itself checked against PeftModel)."""
     out = _run_checks("lora", devices=8)
@@ -67,7 +68,7 @@ def test_lora_tensor_parallel_equals_single_device():
 
 
 def test_expert_parallel_equals_single_device():
-    """MoE models at TP 2 / 4 / 8: experts split whole over the devices, or
+    """MoE models at TP 4 and 8: experts split whole over the devices, or
     each split on its hidden size, beside the attention's TP; logits,
     greedy tokens and logprobs equal the single-device model's."""
     out = _run_checks("moe", devices=8)
