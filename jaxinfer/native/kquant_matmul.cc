@@ -21,7 +21,7 @@
 //   sub_mins    u8, as sub_scales ([1] where none)
 //   d, dmin     f16 [L, out / 64, in / 256, 64] (dmin [1] where none)
 //   out         f32 [R, out] per weight
-//   kinds       attribute: each weight's kind (Kind below)
+//   kinds       attribute: each weight's kind (Kind, kquant_layer.h)
 //
 // Byte row j of a code plane of b bits holds inputs (8 / b) * j + i in bits
 // [b * i, b * i + b), its 64 bytes in nibble order (byte 4d + m holds column
@@ -55,6 +55,7 @@
 #include <memory>
 #include <vector>
 
+#include "jaxinfer/native/kquant_layer.h"
 #include "jaxinfer/native/parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -62,84 +63,38 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kTileColumns = 64;
-constexpr int64_t kSuperBlock = 256;
+using jaxinfer::kquant::kQ2K;
+using jaxinfer::kquant::kQ3K;
+using jaxinfer::kquant::kQ4K;
+using jaxinfer::kquant::kQ5K;
+using jaxinfer::kquant::kQ6K;
+using jaxinfer::kquant::kNone;
+using jaxinfer::kquant::kPacked;
+using jaxinfer::kquant::kSeparate;
+using jaxinfer::kquant::kSuperBlock;
+using jaxinfer::kquant::kTileColumns;
+using jaxinfer::kquant::Minimums;
+using jaxinfer::kquant::Shape;
+using jaxinfer::kquant::ShapeOf;
+
 constexpr int64_t kRowBlock = 8;      // the few-row path's rows at most
 constexpr int64_t kTileRows = 6;      // the many-row path's register tile of rows
 constexpr int64_t kMaxTaskRows = 36;  // the many-row path's rows per task at most
 
-// quant/kquant.py's kinds, in the order of native/kquant_matmul.py's KINDS.
-enum Kind : int64_t { kQ2K = 0, kQ3K = 1, kQ4K = 2, kQ5K = 3, kQ6K = 4 };
-
-// Minimums: none, a separate byte per group (sub_mins), or the high nibble
-// of the sub-scale byte (Q2_K).
-enum Minimums { kNone, kSeparate, kPacked };
-
+// A kind's numbers (kquant_layer.h, ShapeOf) as constants of the kernels'
+// templates: the shifts, masks and tables compile to immediates.
 template <int64_t kKind>
-struct Format;
-template <>
-struct Format<kQ2K> {
-  static constexpr int kLow = 2, kHigh = 0, kGroup = 16, kBias = 0;
-  static constexpr bool kSignedScales = false;
-  static constexpr Minimums kMins = kPacked;
-};
-template <>
-struct Format<kQ3K> {
-  static constexpr int kLow = 2, kHigh = 1, kGroup = 16, kBias = 4;
-  static constexpr bool kSignedScales = true;
-  static constexpr Minimums kMins = kNone;
-};
-template <>
-struct Format<kQ4K> {
-  static constexpr int kLow = 4, kHigh = 0, kGroup = 32, kBias = 0;
-  static constexpr bool kSignedScales = false;
-  static constexpr Minimums kMins = kSeparate;
-};
-template <>
-struct Format<kQ5K> {
-  static constexpr int kLow = 4, kHigh = 1, kGroup = 32, kBias = 0;
-  static constexpr bool kSignedScales = false;
-  static constexpr Minimums kMins = kSeparate;
-};
-template <>
-struct Format<kQ6K> {
-  static constexpr int kLow = 4, kHigh = 2, kGroup = 16, kBias = 32;
-  static constexpr bool kSignedScales = true;
-  static constexpr Minimums kMins = kNone;
+struct Format {
+  static constexpr Shape kShape = ShapeOf(kKind);
+  static constexpr int kLow = kShape.low, kHigh = kShape.high, kGroup = kShape.group, kBias = kShape.bias;
+  static constexpr bool kSignedScales = kShape.signed_scales;
+  static constexpr Minimums kMins = kShape.minimums;
 };
 
-// Run-time copies of Format's numbers, for the code outside the kernels' loops.
-struct Shape {
-  int low, high, group;
-  bool minimums;
-};
-
-Shape ShapeOf(int64_t kind) {
-  switch (kind) {
-    case kQ2K: return {2, 0, 16, true};
-    case kQ3K: return {2, 1, 16, false};
-    case kQ4K: return {4, 0, 32, true};
-    case kQ5K: return {4, 1, 32, true};
-    default: return {4, 2, 16, false};
-  }
-}
-
-struct Problem {
+// One layer of a weight (kquant_layer.h) times x into out.
+struct Problem : jaxinfer::kquant::Layer {
   const float* x;
   float* out;
-  int64_t kind;
-  Shape shape;
-  // This layer's arrays (tile t's part of each at t times its tile size).
-  const uint8_t* codes;
-  const uint8_t* high;
-  const uint8_t* sub_scales;
-  const uint8_t* sub_mins;
-  const uint16_t* d;
-  const uint16_t* dmin;
-  int64_t rows, in, out_features;
-  int64_t code_rows, high_rows, groups, supers;  // rows per tile of each array
-
-  int64_t Tiles() const { return out_features / kTileColumns; }
 };
 
 // One tile's pointers (64 columns at column tile * 64).
@@ -583,51 +538,11 @@ void PlanProduct(Plan& plan, int64_t workers) {
 ffi::Error Describe(const ffi::Buffer<ffi::F32>& x, int64_t layer, int64_t kind, ffi::AnyBuffer codes,
                     ffi::AnyBuffer high, ffi::AnyBuffer sub_scales, ffi::AnyBuffer sub_mins, ffi::AnyBuffer d,
                     ffi::AnyBuffer dmin, float* out, Problem* problem) {
-  if (kind < kQ2K || kind > kQ6K) return ffi::Error::InvalidArgument("k-quant matmul: unknown kind");
-  Problem p;
-  p.kind = kind;
-  p.shape = ShapeOf(kind);
-  const auto x_dims = x.dimensions();
-  const auto code_dims = codes.dimensions(), scale_dims = sub_scales.dimensions(), d_dims = d.dimensions();
-  if (x_dims.size() != 2 || code_dims.size() != 4 || scale_dims.size() != 4 || d_dims.size() != 4 ||
-      code_dims[3] != kTileColumns) {
-    return ffi::Error::InvalidArgument(
-        "k-quant matmul: x must be [rows, in], the weight's arrays [layers, out / 64, rows, 64]");
-  }
-  p.rows = x_dims[0];
-  p.in = x_dims[1];
-  p.out_features = code_dims[1] * kTileColumns;
-  p.code_rows = p.in * p.shape.low / 8;
-  p.high_rows = p.in * p.shape.high / 8;
-  p.groups = p.in / p.shape.group;
-  p.supers = p.in / kSuperBlock;
-  const int64_t layers = code_dims[0], tiles = code_dims[1];
-  if (p.rows < 1 || p.in % kSuperBlock != 0 || code_dims[2] != p.code_rows || scale_dims[1] != tiles ||
-      scale_dims[2] != p.groups || d_dims[1] != tiles || d_dims[2] != p.supers) {
-    return ffi::Error::InvalidArgument("k-quant matmul: shapes do not match (whole super-blocks of 256 inputs)");
-  }
-  if (layer < 0 || layer >= layers) {
-    return ffi::Error::InvalidArgument("k-quant matmul: layer index outside the stacked weights");
-  }
-  const bool needs_high = p.shape.high > 0;
-  const bool needs_mins = kind == kQ4K || kind == kQ5K;
-  if ((needs_high && high.dimensions().size() != 4) || (needs_mins && sub_mins.dimensions().size() != 4) ||
-      (p.shape.minimums && dmin.dimensions().size() != 4)) {
-    return ffi::Error::InvalidArgument("k-quant matmul: this kind needs its high bits, minimums and dmin");
-  }
-  const int64_t tile_area = tiles * kTileColumns;
-  p.codes = static_cast<const uint8_t*>(codes.untyped_data()) + layer * p.code_rows * tile_area;
-  p.high = needs_high ? static_cast<const uint8_t*>(high.untyped_data()) + layer * p.high_rows * tile_area : nullptr;
-  p.sub_scales = static_cast<const uint8_t*>(sub_scales.untyped_data()) + layer * p.groups * tile_area;
-  p.sub_mins = needs_mins ? static_cast<const uint8_t*>(sub_mins.untyped_data()) + layer * p.groups * tile_area
-                          : nullptr;
-  p.d = static_cast<const uint16_t*>(d.untyped_data()) + layer * p.supers * tile_area;
-  p.dmin = p.shape.minimums ? static_cast<const uint16_t*>(dmin.untyped_data()) + layer * p.supers * tile_area
-                            : nullptr;
-  p.x = x.typed_data();
-  p.out = out;
-  *problem = p;
-  return ffi::Error::Success();
+  ffi::Error error = jaxinfer::kquant::DescribeLayer("k-quant matmul", x, layer, kind, codes, high, sub_scales,
+                                                     sub_mins, d, dmin, problem);
+  problem->x = x.typed_data();
+  problem->out = out;
+  return error;
 }
 
 constexpr int64_t kBuffersPerWeight = 6;
@@ -643,7 +558,6 @@ ffi::Error KQuantMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> 
   }
   const int64_t workers = jaxinfer::NumWorkers(thread_pool);
   std::vector<std::unique_ptr<Plan>> plans;
-  std::vector<int64_t> first_task{0};
   for (int64_t j = 0; j < count; ++j) {
     std::vector<ffi::AnyBuffer> arrays;
     for (int64_t a = 0; a < kBuffersPerWeight; ++a) {
@@ -658,13 +572,8 @@ ffi::Error KQuantMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> 
                                 arrays[4], arrays[5], out.value()->typed_data(), &plans.back()->p);
     if (error.failure()) return error;
     PlanProduct(*plans.back(), workers);
-    first_task.push_back(first_task.back() + plans.back()->num_tasks);
   }
-  jaxinfer::ParallelFor(thread_pool, first_task.back(), [&plans, &first_task](int64_t task) {
-    const int64_t j = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
-    plans[j]->run(*plans[j], task - first_task[j]);
-  });
-  for (auto& plan : plans) plan->Finish();
+  jaxinfer::RunPlans(thread_pool, plans);
   return ffi::Error::Success();
 }
 

@@ -650,7 +650,6 @@ ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F3
   }
   const int64_t workers = jaxinfer::NumWorkers(thread_pool);
   std::vector<std::unique_ptr<Plan>> plans;  // pointers: the tasks refer to their plan
-  std::vector<int64_t> first_task{0};
   for (int64_t j = 0; j < count; ++j) {
     auto data = weights.get<ffi::AnyBuffer>(3 * j);
     auto scales = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 1);
@@ -665,13 +664,8 @@ ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F3
                                 out.value()->typed_data(), group_size, has_offsets, &plans.back()->p);
     if (error.failure()) return error;
     PlanProduct(*plans.back(), workers);
-    first_task.push_back(first_task.back() + plans.back()->num_tasks);
   }
-  jaxinfer::ParallelFor(thread_pool, first_task.back(), [&plans, &first_task](int64_t task) {
-    const int64_t j = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
-    plans[j]->run(*plans[j], task - first_task[j]);
-  });
-  for (auto& plan : plans) plan->Finish();
+  jaxinfer::RunPlans(thread_pool, plans);
   return ffi::Error::Success();
 }
 
@@ -704,7 +698,6 @@ ffi::Error QuantizedExpertMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<f
   run_begin.push_back(rows);
   const int64_t workers = jaxinfer::NumWorkers(thread_pool);
   std::vector<std::unique_ptr<Plan>> plans;
-  std::vector<int64_t> first_task{0};
   for (int64_t j = 0; j < count; ++j) {
     auto data = weights.get<ffi::AnyBuffer>(3 * j);
     auto scales = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 1);
@@ -725,14 +718,9 @@ ffi::Error QuantizedExpertMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<f
       p.out += run_begin[run] * p.out_features;
       p.rows = run_begin[run + 1] - run_begin[run];
       PlanProduct(*plans.back(), workers);
-      first_task.push_back(first_task.back() + plans.back()->num_tasks);
     }
   }
-  jaxinfer::ParallelFor(thread_pool, first_task.back(), [&plans, &first_task](int64_t task) {
-    const int64_t j = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
-    plans[j]->run(*plans[j], task - first_task[j]);
-  });
-  for (auto& plan : plans) plan->Finish();
+  jaxinfer::RunPlans(thread_pool, plans);
   return ffi::Error::Success();
 }
 

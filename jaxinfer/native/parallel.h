@@ -136,4 +136,19 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t num_tasks, const Task& task
   ParallelFor(pool, num_tasks, [](const void* t, int64_t i) { (*static_cast<const Task*>(t))(i); }, &task);
 }
 
+// Every task of several plans in one ParallelFor, the plans' tasks one after
+// another (a layer's q, k and v as one loop: the cores share out all their
+// tasks at once), then each plan's Finish(). A Plan has num_tasks, run(plan,
+// task) and Finish(); the pointers stay put while its tasks refer to it.
+template <typename Plan>
+void RunPlans(xla::ffi::ThreadPool& pool, const std::vector<std::unique_ptr<Plan>>& plans) {
+  std::vector<int64_t> first_task{0};
+  for (const auto& plan : plans) first_task.push_back(first_task.back() + plan->num_tasks);
+  ParallelFor(pool, first_task.back(), [&plans, &first_task](int64_t task) {
+    const int64_t j = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+    plans[j]->run(*plans[j], task - first_task[j]);
+  });
+  for (const auto& plan : plans) plan->Finish();
+}
+
 }  // namespace jaxinfer

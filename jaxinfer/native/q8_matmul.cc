@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "jaxinfer/native/kquant_layer.h"
 #include "jaxinfer/native/parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -443,34 +444,22 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
 // activations, which are stored in the matching order (KQuantOrder).
 namespace kquant {
 
-constexpr int64_t kSuperBlock = 256;
-enum Kind : int64_t { kQ2K = 0, kQ3K = 1, kQ4K = 2, kQ5K = 3, kQ6K = 4 };  // native/kquant_matmul.py's KINDS
+using jaxinfer::kquant::kQ2K;
+using jaxinfer::kquant::kQ3K;
+using jaxinfer::kquant::kQ4K;
+using jaxinfer::kquant::kQ5K;
+using jaxinfer::kquant::kQ6K;
+using jaxinfer::kquant::kPacked;
+using jaxinfer::kquant::kSeparate;
+using jaxinfer::kquant::kSuperBlock;
+using jaxinfer::kquant::Shape;
+using jaxinfer::kquant::ShapeOf;
 
-struct Shape {
-  int low, high, group, bias;
-  bool signed_scales;
-  int minimums;  // 0: none, 1: separate bytes, 2: the sub-scale byte's high nibble
-};
-
-constexpr Shape ShapeOf(int64_t kind) {
-  switch (kind) {
-    case kQ2K: return {2, 0, 16, 0, false, 2};
-    case kQ3K: return {2, 1, 16, 4, true, 0};
-    case kQ4K: return {4, 0, 32, 0, false, 1};
-    case kQ5K: return {4, 1, 32, 0, false, 1};
-    default: return {4, 2, 16, 32, true, 0};
-  }
-}
-
-struct KProblem {
-  int64_t kind;
+// One layer of a weight (kquant_layer.h) times x's int8 blocks into out.
+struct KProblem : jaxinfer::kquant::Layer {
   Problem act;  // the quantized activations (codes in input order, scales and sums per group)
-  Shape shape;
-  const uint8_t *codes, *high, *sub_scales, *sub_mins;
-  const uint16_t *d, *dmin;
   std::vector<int32_t> group_code_sums;  // [rows, groups]: each row's sum of xq over each group
   float* out;
-  int64_t rows, in, out_features, code_rows, high_rows, groups, supers;
 };
 
 // Run `run` of a tile (32 / low inputs), slot n: byte k of each column's
@@ -523,10 +512,10 @@ void GroupSubScales(const uint8_t* sub_scales, const uint8_t* sub_mins, int64_t 
   for (int k = 0; k < 4; ++k) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + g * 64 + 16 * k));
     scale[k] = s.signed_scales ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
-    if (s.minimums == 2) {
+    if (s.minimums == kPacked) {
       minimum[k] = _mm512_srli_epi32(scale[k], 4);
       scale[k] = _mm512_and_si512(scale[k], _mm512_set1_epi32(0x0F));
-    } else if (s.minimums == 1) {
+    } else if (s.minimums == kSeparate) {
       minimum[k] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_mins + g * 64 + 16 * k)));
     } else {
       minimum[k] = _mm512_setzero_si512();
@@ -552,7 +541,7 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
   const uint8_t* codes = p.codes + tile * p.code_rows * 64;
   const uint8_t* high = s.high ? p.high + tile * p.high_rows * 64 : nullptr;
   const uint8_t* sub_scales = p.sub_scales + tile * p.groups * 64;
-  const uint8_t* sub_mins = s.minimums == 1 ? p.sub_mins + tile * p.groups * 64 : nullptr;
+  const uint8_t* sub_mins = s.minimums == kSeparate ? p.sub_mins + tile * p.groups * 64 : nullptr;
   const uint16_t* d = p.d + tile * p.supers * 64;
   const uint16_t* dmin = s.minimums ? p.dmin + tile * p.supers * 64 : nullptr;
   const int64_t quads = s.group / 4, per_super = kSuperBlock / s.group;
@@ -617,48 +606,10 @@ ffi::Error Q8KQuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
                               ffi::AnyBuffer codes, ffi::AnyBuffer high, ffi::AnyBuffer sub_scales,
                               ffi::AnyBuffer sub_mins, ffi::AnyBuffer d, ffi::AnyBuffer dmin,
                               ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
-  if (kind < kQ2K || kind > kQ6K) return ffi::Error::InvalidArgument("q8 k-quant matmul: unknown kind");
   KProblem p;
-  p.kind = kind;
-  p.shape = ShapeOf(kind);
-  const auto x_dims = x.dimensions();
-  const auto code_dims = codes.dimensions(), scale_dims = sub_scales.dimensions(), d_dims = d.dimensions();
-  if (x_dims.size() != 2 || code_dims.size() != 4 || scale_dims.size() != 4 || d_dims.size() != 4 ||
-      code_dims[3] != kColumns) {
-    return ffi::Error::InvalidArgument(
-        "q8 k-quant matmul: x must be [rows, in], the weight's arrays [layers, out / 64, rows, 64]");
-  }
-  p.rows = x_dims[0];
-  p.in = x_dims[1];
-  p.out_features = code_dims[1] * kColumns;
-  p.code_rows = p.in * p.shape.low / 8;
-  p.high_rows = p.in * p.shape.high / 8;
-  p.groups = p.in / p.shape.group;
-  p.supers = p.in / kSuperBlock;
-  const int64_t layers = code_dims[0], tiles = code_dims[1];
-  if (p.rows < 1 || p.in % kSuperBlock != 0 || code_dims[2] != p.code_rows || scale_dims[1] != tiles ||
-      scale_dims[2] != p.groups || d_dims[1] != tiles || d_dims[2] != p.supers) {
-    return ffi::Error::InvalidArgument("q8 k-quant matmul: shapes do not match (whole super-blocks of 256 inputs)");
-  }
-  const int64_t layer_index = layer.typed_data()[0];
-  if (layer_index < 0 || layer_index >= layers) {
-    return ffi::Error::InvalidArgument("q8 k-quant matmul: layer index outside the stacked weights");
-  }
-  if ((p.shape.high && high.dimensions().size() != 4) || (p.shape.minimums == 1 && sub_mins.dimensions().size() != 4) ||
-      (p.shape.minimums && dmin.dimensions().size() != 4)) {
-    return ffi::Error::InvalidArgument("q8 k-quant matmul: this kind needs its high bits, minimums and dmin");
-  }
-  const int64_t area = tiles * kColumns;
-  p.codes = static_cast<const uint8_t*>(codes.untyped_data()) + layer_index * p.code_rows * area;
-  p.high = p.shape.high ? static_cast<const uint8_t*>(high.untyped_data()) + layer_index * p.high_rows * area
-                        : nullptr;
-  p.sub_scales = static_cast<const uint8_t*>(sub_scales.untyped_data()) + layer_index * p.groups * area;
-  p.sub_mins = p.shape.minimums == 1
-                   ? static_cast<const uint8_t*>(sub_mins.untyped_data()) + layer_index * p.groups * area
-                   : nullptr;
-  p.d = static_cast<const uint16_t*>(d.untyped_data()) + layer_index * p.supers * area;
-  p.dmin = p.shape.minimums ? static_cast<const uint16_t*>(dmin.untyped_data()) + layer_index * p.supers * area
-                            : nullptr;
+  ffi::Error error = jaxinfer::kquant::DescribeLayer("q8 k-quant matmul", x, layer.typed_data()[0], kind, codes, high,
+                                                     sub_scales, sub_mins, d, dmin, &p);
+  if (error.failure()) return error;
   p.out = out->typed_data();
   p.act.int4 = false;
   p.act.rows = p.rows;
@@ -676,7 +627,7 @@ ffi::Error Q8KQuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
   }
   KQuantOrder(p.act.codes, p.shape.low);
   const int64_t row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
-  jaxinfer::ParallelFor(thread_pool, row_blocks * tiles, [&p, row_blocks](int64_t task) {
+  jaxinfer::ParallelFor(thread_pool, row_blocks * p.Tiles(), [&p, row_blocks](int64_t task) {
     const int64_t row0 = (task % row_blocks) * kRowBlock;
     const int64_t rows = std::min(kRowBlock, p.rows - row0), tile = task / row_blocks;
     switch (p.kind) {
