@@ -443,21 +443,6 @@ std::vector<float> GroupSums(const Problem& p) {
   return sums;
 }
 
-// Runs of groups each tile's sum is cut into, whatever the rows: a weight of
-// few tiles split by columns alone leaves cores idle. The parts' sums add
-// up in order, so a row's result depends on the weight's shape and the core
-// count only.
-int64_t InputParts(int64_t column_tiles, int64_t num_groups, int64_t workers) {
-  int64_t best = 1;
-  double best_idle = 1e9;
-  for (int64_t parts = 1; parts <= std::min<int64_t>(4, num_groups); ++parts) {
-    const int64_t tasks = column_tiles * parts;
-    const double idle = static_cast<double>((tasks + workers - 1) / workers * workers - tasks) / tasks;
-    if (idle < best_idle - 1e-9) best = parts, best_idle = idle;
-  }
-  return best;
-}
-
 // One weight's product cut into tasks: run(plan, i) runs task i (any
 // thread); Finish() adds the few-row path's parts past the first, in order.
 struct Plan {
@@ -506,7 +491,7 @@ void PlanKind(Plan& plan, int64_t workers) {
   // for every row count alike: a row's sums never depend on the rows beside
   // it. (A 256-column weight at one row is one task of 4 tiles: in 2 parts,
   // both cores take one.)
-  plan.parts = InputParts(tiles / TaskTiles(1, tiles), p.groups, workers);
+  plan.parts = jaxinfer::InputParts(tiles / TaskTiles(1, tiles), p.groups, workers);
   if (p.rows <= kRowBlock) {
     plan.partials.resize((plan.parts - 1) * p.rows * p.out_features);
     const int64_t width = TaskTiles(p.rows, tiles);

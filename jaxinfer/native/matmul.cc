@@ -489,23 +489,6 @@ void ManyRowsTask(const Problem& p, int64_t col, int64_t row_begin, int64_t row_
 }
 #endif
 
-// Runs of input groups each 64-column tile's sum is cut into, on every path
-// of tiles, whatever the rows: a weight of few tiles split by columns alone
-// leaves cores idle (the default model's 576 outputs are 9 tiles, 5 on one
-// core and 4 on the other, and its 192-output k and v projections 3). The
-// parts' sums add up in order, so a row's result depends on the weight's
-// shape and the core count only, never on the rows beside it.
-int64_t InputParts(int64_t column_tiles, int64_t num_groups, int64_t workers) {
-  int64_t best = 1;
-  double best_idle = 1e9;
-  for (int64_t parts = 1; parts <= std::min<int64_t>(4, num_groups); ++parts) {
-    const int64_t tasks = column_tiles * parts;
-    const double idle = static_cast<double>((tasks + workers - 1) / workers * workers - tasks) / tasks;
-    if (idle < best_idle - 1e-9) best = parts, best_idle = idle;
-  }
-  return best;
-}
-
 // One weight's product, cut into tasks: run(plan, i) runs task i (any
 // thread); Finish() completes the output once every task has run. (Plain
 // function pointers, not std::function: each instance adds to the build a
@@ -542,7 +525,7 @@ void RunFewRows(Plan& plan, int64_t task) {
 // 2, else 64; each width's tasks cut into InputParts runs of groups.
 void PlanFewRows(Plan& plan, int64_t workers) {
   const Problem& p = plan.p;
-  plan.parts = InputParts(p.out_features / kTileColumns, p.in / p.group, workers);
+  plan.parts = jaxinfer::InputParts(p.out_features / kTileColumns, p.in / p.group, workers);
   plan.partials.resize((plan.parts - 1) * p.rows * p.out_features);
   int64_t width = 64;
   if (p.rows == 1 && p.out_features % 256 == 0) {
@@ -559,7 +542,7 @@ void PlanFewRows(Plan& plan, int64_t workers) {
 void PlanManyRows(Plan& plan, int64_t workers) {
   const Problem& p = plan.p;
   const int64_t column_tiles = p.out_features / kTileColumns;
-  const int64_t parts = InputParts(column_tiles, p.in / p.group, workers);
+  const int64_t parts = jaxinfer::InputParts(column_tiles, p.in / p.group, workers);
   int64_t row_tasks = (p.rows + kMaxTaskRows - 1) / kMaxTaskRows;
   // Equal tasks in a multiple of the workers, where the rows allow: 9 column
   // tiles (576 outputs) in 9 tasks kept one of two cores idle for a ninth

@@ -136,6 +136,23 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t num_tasks, const Task& task
   ParallelFor(pool, num_tasks, [](const void* t, int64_t i) { (*static_cast<const Task*>(t))(i); }, &task);
 }
 
+// Runs of input groups each 64-column tile's sum is cut into, on every path
+// of a matmul kernel's tiles, whatever the rows: a weight of few tiles split
+// by columns alone leaves cores idle (the default model's 576 outputs are 9
+// tiles, 5 on one core and 4 on the other, and its 192-output k and v
+// projections 3). The parts' sums add up in order, so a row's result depends
+// on the weight's shape and the core count only, never on the rows beside it.
+inline int64_t InputParts(int64_t column_tiles, int64_t num_groups, int64_t workers) {
+  int64_t best = 1;
+  double best_idle = 1e9;
+  for (int64_t parts = 1; parts <= std::min<int64_t>(4, num_groups); ++parts) {
+    const int64_t tasks = column_tiles * parts;
+    const double idle = static_cast<double>((tasks + workers - 1) / workers * workers - tasks) / tasks;
+    if (idle < best_idle - 1e-9) best = parts, best_idle = idle;
+  }
+  return best;
+}
+
 // Every task of several plans in one ParallelFor, the plans' tasks one after
 // another (a layer's q, k and v as one loop: the cores share out all their
 // tasks at once), then each plan's Finish(). A Plan has num_tasks, run(plan,
