@@ -15,7 +15,9 @@ every run goes to JSON.
         --runs gguf:1:64,gguf:32:24 --rounds 3 --json ab.json
 
 A `--runs` entry Q:B:N[:P] is quantization Q ("none" for float weights),
-batch B, N decode steps, P prompt tokens (default 128); a LABEL=TREE@Q1+Q2
+batch B, N decode steps, P prompt tokens (default 128); N = 0 times the
+prefill instead (the prompts and their first token in one step, prefix
+caching off; ms per step); a LABEL=TREE@Q1+Q2
 config runs only those quantizations (a scheme the old tree lacks).
 """
 
@@ -33,7 +35,9 @@ import json, sys, time
 from jaxinfer import LLM, SamplingParams
 q, batch, steps, prompt_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 model = sys.argv[5] or None
-llm = LLM(model, progress=False, quantization=None if q == "none" else q, max_num_seqs=max(batch, 8))
+# steps 0 times the prompts' prefill alone, every prompt token computed (no prefix cache).
+llm = LLM(model, progress=False, quantization=None if q == "none" else q, max_num_seqs=max(batch, 8),
+          **({} if steps else {"enable_prefix_caching": False, "max_num_batched_tokens": batch * prompt_len}))
 llm.wait_compiled()  # a first run of a tree compiles its buckets in the background: not while timing
 prompts = [[1 + (i * 131 + j * 7) % 40000 for j in range(prompt_len)] for i in range(batch)]
 
@@ -44,8 +48,12 @@ def run(n):
     return time.perf_counter() - start
 
 run(2)
-run(steps)  # every bucket compiled and warm
-print(json.dumps({"ms": 1e3 * min((run(steps) - run(1)) / (steps - 1) for _ in range(2))}))
+if steps == 0:
+    run(1)
+    print(json.dumps({"ms": 1e3 * min(run(1) for _ in range(3))}))
+else:
+    run(steps)  # every bucket compiled and warm
+    print(json.dumps({"ms": 1e3 * min((run(steps) - run(1)) / (steps - 1) for _ in range(2))}))
 """
 
 
