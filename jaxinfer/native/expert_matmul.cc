@@ -134,13 +134,9 @@ ffi::Error ExpertMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> 
   const int64_t rows = x_dims[0], in = x_dims[1];
   const int32_t* index = matrix.typed_data();
   std::vector<int64_t> run_begin;  // the first row of each run of one matrix, then rows
-  for (int64_t r = 0; r < rows; ++r) {
-    if (r > 0 && index[r] < index[r - 1]) {
-      return ffi::Error::InvalidArgument("expert matmul: rows must be sorted by matrix");
-    }
-    if (r == 0 || index[r] != index[r - 1]) run_begin.push_back(r);
+  if (!jaxinfer::MatrixRuns(index, rows, &run_begin)) {
+    return ffi::Error::InvalidArgument("expert matmul: rows must be sorted by matrix");
   }
-  run_begin.push_back(rows);
   std::vector<Task> tasks;
   for (size_t j = 0; j < weights.size(); ++j) {
     auto w = weights.get<ffi::Buffer<ffi::F32>>(j);

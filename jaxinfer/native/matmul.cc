@@ -47,6 +47,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -620,6 +621,29 @@ void PlanProduct(Plan& plan, int64_t workers) {
   plan.run = [](Plan& plan, int64_t chunk) { MatmulChunk(plan.p, chunk); };
 }
 
+// One weight's buffers in a call of several: its (data, scales, offsets)
+// and its out.
+struct WeightBuffers {
+  ffi::AnyBuffer data;
+  ffi::Buffer<ffi::F32> scales, offsets;
+  float* out;
+};
+
+// Weight j's buffers into *w, or the error of the first one missing.
+ffi::Error GetWeight(ffi::RemainingArgs& weights, ffi::RemainingRets& outs, int64_t j,
+                     std::optional<WeightBuffers>* w) {
+  auto data = weights.get<ffi::AnyBuffer>(3 * j);
+  auto scales = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 1);
+  auto offsets = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 2);
+  auto out = outs.get<ffi::Buffer<ffi::F32>>(j);
+  if (data.has_error()) return data.error();
+  if (scales.has_error()) return scales.error();
+  if (offsets.has_error()) return offsets.error();
+  if (out.has_error()) return out.error();
+  w->emplace(WeightBuffers{data.value(), scales.value(), offsets.value(), out.value()->typed_data()});
+  return ffi::Error::Success();
+}
+
 // x times each of several weights (one layer of each), in one parallel
 // loop: the weights' tasks one after another, in the order of their memory.
 // A layer's q, k and v projections (and gate and up) are one call, not
@@ -634,17 +658,11 @@ ffi::Error QuantizedMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F3
   const int64_t workers = jaxinfer::NumWorkers(thread_pool);
   std::vector<std::unique_ptr<Plan>> plans;  // pointers: the tasks refer to their plan
   for (int64_t j = 0; j < count; ++j) {
-    auto data = weights.get<ffi::AnyBuffer>(3 * j);
-    auto scales = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 1);
-    auto offsets = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 2);
-    auto out = outs.get<ffi::Buffer<ffi::F32>>(j);
-    if (data.has_error()) return data.error();
-    if (scales.has_error()) return scales.error();
-    if (offsets.has_error()) return offsets.error();
-    if (out.has_error()) return out.error();
+    std::optional<WeightBuffers> w;
+    if (ffi::Error error = GetWeight(weights, outs, j, &w); error.failure()) return error;
     plans.push_back(std::make_unique<Plan>());
-    ffi::Error error = Describe(x, data.value(), scales.value(), offsets.value(), layer.typed_data()[0],
-                                out.value()->typed_data(), group_size, has_offsets, &plans.back()->p);
+    ffi::Error error = Describe(x, w->data, w->scales, w->offsets, layer.typed_data()[0], w->out, group_size,
+                                has_offsets, &plans.back()->p);
     if (error.failure()) return error;
     PlanProduct(*plans.back(), workers);
   }
@@ -672,29 +690,19 @@ ffi::Error QuantizedExpertMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<f
   }
   const int32_t* index = matrix.typed_data();
   std::vector<int64_t> run_begin;  // the first row of each run of one matrix, then rows
-  for (int64_t r = 0; r < rows; ++r) {
-    if (r > 0 && index[r] < index[r - 1]) {
-      return ffi::Error::InvalidArgument("quantized expert matmul: rows must be sorted by matrix");
-    }
-    if (r == 0 || index[r] != index[r - 1]) run_begin.push_back(r);
+  if (!jaxinfer::MatrixRuns(index, rows, &run_begin)) {
+    return ffi::Error::InvalidArgument("quantized expert matmul: rows must be sorted by matrix");
   }
-  run_begin.push_back(rows);
   const int64_t workers = jaxinfer::NumWorkers(thread_pool);
   std::vector<std::unique_ptr<Plan>> plans;
   for (int64_t j = 0; j < count; ++j) {
-    auto data = weights.get<ffi::AnyBuffer>(3 * j);
-    auto scales = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 1);
-    auto offsets = weights.get<ffi::Buffer<ffi::F32>>(3 * j + 2);
-    auto out = outs.get<ffi::Buffer<ffi::F32>>(j);
-    if (data.has_error()) return data.error();
-    if (scales.has_error()) return scales.error();
-    if (offsets.has_error()) return offsets.error();
-    if (out.has_error()) return out.error();
+    std::optional<WeightBuffers> w;
+    if (ffi::Error error = GetWeight(weights, outs, j, &w); error.failure()) return error;
     for (size_t run = 0; run + 1 < run_begin.size(); ++run) {
       plans.push_back(std::make_unique<Plan>());
       // Checked as the whole x, then narrowed to the run's rows and matrix.
-      ffi::Error error = Describe(x, data.value(), scales.value(), offsets.value(), index[run_begin[run]],
-                                  out.value()->typed_data(), group_size, has_offsets, &plans.back()->p);
+      ffi::Error error = Describe(x, w->data, w->scales, w->offsets, index[run_begin[run]], w->out, group_size,
+                                  has_offsets, &plans.back()->p);
       if (error.failure()) return error;
       Problem& p = plans.back()->p;
       p.x += run_begin[run] * in;

@@ -153,6 +153,20 @@ inline int64_t InputParts(int64_t column_tiles, int64_t num_groups, int64_t work
   return best;
 }
 
+// The first row of each run of rows that share a matrix, then `rows`:
+// matrix[r] names row r's matrix (a MoE's expert), non-decreasing, so a
+// kernel multiplies each run by its matrix once. False where the rows are
+// not sorted so.
+inline bool MatrixRuns(const int32_t* matrix, int64_t rows, std::vector<int64_t>* run_begin) {
+  run_begin->clear();
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r > 0 && matrix[r] < matrix[r - 1]) return false;
+    if (r == 0 || matrix[r] != matrix[r - 1]) run_begin->push_back(r);
+  }
+  run_begin->push_back(rows);
+  return true;
+}
+
 // Every task of several plans in one ParallelFor, the plans' tasks one after
 // another (a layer's q, k and v as one loop: the cores share out all their
 // tasks at once), then each plan's Finish(). A Plan has num_tasks, run(plan,
