@@ -339,6 +339,10 @@ def test_drafting_off_above_batch_size(plain, tiny_dir):
     assert llm.stats()["spec_accepted_tokens"] > 0
 
 
+# Its rule times drafting against plain decoding on the wall clock: it runs
+# alone after the parallel suite (scripts/test.sh), where another worker's
+# load would skew the times it compares (it failed so once in ~3 runs).
+@pytest.mark.serial
 def test_adaptive_drafting_is_exact_and_turns_off(plain, tiny_dir, eagle_head):
     """adaptive=True with a random EAGLE head, whose drafts almost never
     hit: after the steps that time drafting and plain decoding, the rule
