@@ -52,11 +52,11 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if has engine; then
   # shellcheck disable=SC2086
   part engine_tests "${T_engine:-150}" env JAXINFER_DISABLE_COMPILATION_CACHE=1 python3 -m pytest -q --tb=short \
-    -p no:cacheprovider ${ENGINE_TESTS:-tests/test_model_parity.py tests/test_paged_attention.py tests/test_device_sampler.py}
+    -p no:cacheprovider ${ENGINE_TESTS:-tests/models/test_hf_parity.py tests/kernels/test_paged_attention_reference.py tests/engine/test_device_sampler.py}
 fi
 if has pallas; then
   part pallas_tests "${T_pallas:-120}" env JAXINFER_DISABLE_COMPILATION_CACHE=1 python3 -m pytest -q --tb=short -p tests.gpu_plugin -p no:cacheprovider \
-    tests/test_pallas_decode_attention.py tests/test_pallas_prefill_attention.py tests/test_quantized_matmul.py
+    tests/kernels/test_pallas_decode_attention.py tests/kernels/test_pallas_prefill_attention.py tests/kernels/test_pallas_quantized_matmul.py
 fi
 if has kernels; then
   part bench_kernels "${T_kernels:-60}" python3 scripts/bench_kernels.py --iters 10 --json "$OUT/bench_kernels.json"

@@ -1,5 +1,5 @@
 """Random PEFT adapters and a mixed-adapter forward, shared by
-tests/test_lora.py, the tensor-parallel LoRA check (tests/parallel_checks.py)
+tests/api/test_lora.py, the tensor-parallel LoRA check (tests/parallel_checks.py)
 and the server test: written with peft's own save_pretrained so that the
 files are what PEFT users hand us."""
 

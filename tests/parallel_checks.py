@@ -1,4 +1,4 @@
-"""Multi-device checks, run by tests/test_parallel.py in a subprocess whose
+"""Multi-device checks, run by tests/parallel/test_tensor_data_parallel.py in a subprocess whose
 XLA_FLAGS give JAX 8 (or 4) virtual CPU devices, so that the rest of the
 suite keeps seeing one device. `python -m tests.parallel_checks GROUP`;
 each group asserts and prints what it compared; a failure exits non-zero.

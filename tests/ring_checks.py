@@ -1,4 +1,4 @@
-"""Context-parallel checks, run by tests/test_ring_attention.py in one
+"""Context-parallel checks, run by tests/parallel/test_context_parallel.py in one
 subprocess whose XLA_FLAGS give JAX 8 virtual CPU devices.
 `python -m tests.ring_checks GROUP...`; each group asserts and prints what it
 compared; a failure exits non-zero.
@@ -227,7 +227,7 @@ def capacity_group():
     per_device = 64  # blocks of 16 tokens: 63 usable on one device (the null block), 1008 tokens
     prompt = np.random.default_rng(2).integers(0, VOCAB, 3000).tolist()
     # One device with this budget could not hold it (the engine refuses such a request up front,
-    # tests/test_engine.py); CP 4 with the same budget per device must serve it.
+    # tests/engine/test_engine.py); CP 4 with the same budget per device must serve it.
     assert -(-(len(prompt) + 2) // 16) > per_device - 1
     # One sequence: max_num_seqs 1 spares compiling the 2-row programs.
     llm = LLM(directory, progress=False, max_model_len=8192, num_kv_blocks=4 * per_device, context_parallel_size=4,

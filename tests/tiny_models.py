@@ -40,13 +40,13 @@ VARIANTS = {
     "mistral_sliding_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, num_key_value_heads=1)),
-    # Tensor parallelism (tests/test_parallel.py): 8 query heads split over up
+    # Tensor parallelism (tests/parallel/test_tensor_data_parallel.py): 8 query heads split over up
     # to 8 devices, 2 KV heads (split at TP 2, replicated at TP 4 and 8),
     # head_dim 16: the smallest the Pallas kernels take.
     "llama_tp": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
-    # GGUF K-quants (tests/test_quant.py): every linear's input width a multiple of their 256-weight blocks
+    # GGUF K-quants (tests/quant/test_weight_schemes.py): every linear's input width a multiple of their 256-weight blocks
     "llama_kquant": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=256, intermediate_size=256)),
-    # Context parallelism (tests/test_ring_attention.py): very small, so 32k-token
+    # Context parallelism (tests/parallel/test_context_parallel.py): very small, so 32k-token
     # prompts stay cheap on CPU, with room for them in its positions.
     "llama_ring": ("LlamaConfig", "LlamaForCausalLM",
                    dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -28,7 +28,7 @@ from jaxinfer.quant.schemes import quantize_int4
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize
 from tests.tiny_models import assert_logits_close, make_hf_model, save_hf_model
 
-CALIBRATION_TEXT = Path(__file__).parent / "data" / "calibration_text.txt"
+CALIBRATION_TEXT = Path(__file__).parents[1] / "data" / "calibration_text.txt"
 TOKENS = np.random.default_rng(0).integers(0, 128, 72)
 CALIBRATION = [np.random.default_rng(1).integers(0, 128, (2, 48)), np.random.default_rng(2).integers(0, 128, 30)]
 

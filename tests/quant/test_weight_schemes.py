@@ -194,7 +194,7 @@ def test_gguf_k_quant_blocks_repack_exactly(qtype, heads):
 def test_gguf_k_quant_model_loads_quantized(tmp_path):
     """A Q4_K_M-like file (Q4_K, with Q6_K for layer 1's attn_v and ffn_down
     and Q5_K for layer 0's ffn_up) on a backend without K-quant kernels
-    (XlaBackend; the CPU keeps the file's own form: tests/test_kquant.py):
+    (XlaBackend; the CPU keeps the file's own form: tests/quant/test_kquant.py):
     every linear weight stays quantized (the mixed ones as one regrouped int8
     stack), with logits equal to the dequantized float load's."""
     hf_model = make_hf_model("llama_kquant", seed=13)

@@ -21,7 +21,7 @@ from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.block_ownership import OwnedFreeBlocks, block_owner
 from jaxinfer.parallel.mesh import check_parallel_sizes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_context_parallel_engine_and_attention_equal_single_device():

@@ -230,7 +230,7 @@ def test_perplexity_unchanged_against_the_float_load(kquant_load, float_load):
     the 128-token vocabulary), through the engine's scoring path."""
     from pathlib import Path
 
-    text = (Path(__file__).parent / "data" / "eval_text.txt").read_text()
+    text = (Path(__file__).parents[1] / "data" / "eval_text.txt").read_text()
     ids = [b for b in text.encode("ascii", "ignore")[:600]]
     ours = perplexity(kquant_load, ids, context_len=256, stride=128).perplexity
     expected = perplexity(float_load, ids, context_len=256, stride=128).perplexity

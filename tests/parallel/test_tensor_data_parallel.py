@@ -31,7 +31,7 @@ from jaxinfer.parallel.sharding import (
     sharded_config,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_checks(group: str, devices: int) -> str:

@@ -1,7 +1,7 @@
 """LoRA adapters through `jaxinfer serve` (issue 16): adapters served as
 models of their own names, picked by the request's `model` field, checked
 with the real `openai` client over HTTP on 127.0.0.1 against LLM.generate /
-LLM.chat with the same LoRARequest (which tests/test_lora.py checks against
+LLM.chat with the same LoRARequest (which tests/api/test_lora.py checks against
 PeftModel).
 
 One server for the module over the embedded SmolLM2 with two random PEFT

@@ -239,7 +239,7 @@ def test_sentencepiece_and_gguf_vocabularies(tmp_path):
 
     from jaxinfer.structured.grammar import GrammarCompiler
     from jaxinfer.tokenizer import load_tokenizer, tokenizer_from_gguf
-    from tests.test_tokenizer import SMOLLM2_DIR, SMOLLM2_NAME, SP_V1
+    from tests.loading.test_tokenizer import SMOLLM2_DIR, SMOLLM2_NAME, SP_V1
 
     shutil.copyfile(SP_V1, tmp_path / "tokenizer.model")
     for tok in (load_tokenizer(tmp_path), tokenizer_from_gguf(GGUFFile(str(SMOLLM2_DIR / SMOLLM2_NAME)))):

@@ -30,7 +30,7 @@ SAMPLE = jax.jit(sample, static_argnames=("num_logprobs", "work"))
 FILTERED = jax.jit(sampling_logits, static_argnames="work")
 PENALISE = jax.jit(apply_penalties)
 
-# Upper 1e-4 quantiles of chi-square (as in tests/test_sampling.py).
+# Upper 1e-4 quantiles of chi-square (as in tests/engine/test_sampling_params.py).
 CHI2_P1E4 = {3: 21.11, 5: 25.74}
 
 

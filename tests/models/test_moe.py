@@ -1,5 +1,5 @@
 """Mixtures of experts (models/moe.py) beyond the logits parity of every
-family (tests/test_model_parity.py runs the MoE variants of tiny_models):
+family (tests/models/test_hf_parity.py runs the MoE variants of tiny_models):
 the checkpoint layouts (fused 3-D expert tensors, sharded files, GGUF files
 written by the gguf package, kept quantized), every weight scheme, LoRA on
 the attention (and its refusal on experts), and the engine: continuous

@@ -42,7 +42,7 @@ def start(model_dir: Path, cache_dir: Path, prompts: list, child: str = CHILD, d
     if devices > 1:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     out = subprocess.run([sys.executable, "-c", child, str(model_dir), json.dumps(prompts)], env=env,
-                         capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+                         capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
 

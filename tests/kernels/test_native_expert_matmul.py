@@ -2,7 +2,7 @@
 float32 experts, native/matmul.cc's expert entry for int8 / int4 codes,
 plain and in tiles): each row by its own expert of a stack [layers,
 experts, in, out], against float64 numpy on weights dequantized
-independently (tests/test_cpu_matmul.py's random_stacked_weight); runs of
+independently (tests/kernels/test_native_matmul.py's random_stacked_weight); runs of
 1 to 13 rows per expert (every tile shape of both kernels), columns that
 end inside a tile, a row's result independent of the rows beside it, and
 the backend's reference (jax.lax.ragged_dot) agreeing."""
@@ -16,7 +16,7 @@ from jaxinfer.backends import CpuBackend, XlaBackend
 from jaxinfer.native import expert_matmul
 from jaxinfer.native import matmul as cpu_matmul
 from jaxinfer.quant.layer_weights import LayerOf
-from tests.test_cpu_matmul import assert_matches, random_stacked_weight
+from tests.kernels.test_native_matmul import assert_matches, random_stacked_weight
 
 LAYERS, EXPERTS = 2, 5
 

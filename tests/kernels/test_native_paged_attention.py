@@ -14,8 +14,8 @@ import pytest
 
 from jaxinfer.models.kv_cache import as_fp8, quantize_kv
 from jaxinfer.native import paged_attention as cpu_paged_attention
-from tests.test_paged_attention import make_case as paged_case
-from tests.test_paged_attention import numpy_attention as numpy_ragged_attention
+from tests.kernels.test_paged_attention_reference import make_case as paged_case
+from tests.kernels.test_paged_attention_reference import numpy_attention as numpy_ragged_attention
 
 
 def test_kernel_builds_here():

@@ -2,7 +2,7 @@
 interpret mode on CPU, against float64 numpy and its jnp reference: rows
 sorted by expert with runs of several lengths and unused experts, K and N
 that end inside a tile, bfloat16 activations. The GPU backend's use of it
-(cross-lowered for CUDA) is in tests/test_backends.py."""
+(cross-lowered for CUDA) is in tests/models/test_backends.py."""
 
 import jax.numpy as jnp
 import numpy as np

@@ -28,7 +28,7 @@ from jaxinfer.quant.params import quantize_params
 from jaxinfer.quant.tensor import QuantizedTensor
 from tests.tiny_models import BASE
 
-EVAL_TEXT = Path(__file__).parent / "data" / "eval_text.txt"
+EVAL_TEXT = Path(__file__).parents[1] / "data" / "eval_text.txt"
 SP_MODEL = Path(importlib.util.find_spec("mistral_common").submodule_search_locations[0]) / "data" / "tokenizer.model.v1"
 SCHEMES = ("int8", "int4", "fp8")
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a lighthouse, please."}]
@@ -138,7 +138,7 @@ def test_tokenizer_save_round_trips(tmp_path):
     above do not: a sentencepiece vocabulary rebuilt from a GGUF (extra end-of-turn id), and
     special-token ids sentencepiece cannot name itself (no BOS; a BOS that is not a control piece)."""
     from jaxinfer.tokenizer import load_tokenizer, tokenizer_from_gguf
-    from tests.test_tokenizer import write_sp_gguf
+    from tests.loading.test_tokenizer import write_sp_gguf
 
     from_gguf = tokenizer_from_gguf(GGUFFile(str(write_sp_gguf(tmp_path / "sp.gguf", SP_MODEL, eot_token_id=5))))
     no_bos, plain_bos = load_tokenizer(SP_MODEL), load_tokenizer(SP_MODEL)
@@ -213,7 +213,7 @@ def test_awq_convert_round_trip(tiny, tiny_src, tmp_path, monkeypatch):
 
     monkeypatch.setattr(awq, "awq_quantize_params", spy)
     calibration = tmp_path / "calibration.txt"  # a slice of agent B's calibration text keeps AWQ quick
-    text = (Path(__file__).parent / "data" / "calibration_text.txt").read_text()[:1200]
+    text = (Path(__file__).parents[1] / "data" / "calibration_text.txt").read_text()[:1200]
     calibration.write_text(text)
     convert(str(tiny_src), tmp_path / "awq", quantize="int4-awq", calibration=calibration, group_size=32,
             progress=False, log=lambda *a: None)
