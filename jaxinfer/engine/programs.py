@@ -1,4 +1,5 @@
-"""The pure jitted programs of a step; engine/runner.py picks, counts and runs them.
+"""The pure jitted programs of a step; engine/compiled_programs.py buckets and
+compiles them, engine/runner.py runs them.
 
     forward  tokens -> logits at the rows that sample, the updated KV pool
              (donated, so written in place) and, with_features, the pre-norm
@@ -100,7 +101,7 @@ def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, lora_slots
                  config: ModelConfig, backend, layout: str, with_features: bool = False, mesh=None):
     """-> (logits [len(logits_indices), V], pre-norm hidden [T, hidden] or None, kv_cache).
     backend: the model's platform backend (backends/), with the engine's
-    attention_backend option set in it.
+    attention option applied (with_attention).
     lora_slots: None, or each row's adapter slot int32 [T] with the adapter
     buffers in params["layers"]["lora"] (lora/slots.py); None traces the
     program without any LoRA input or work.

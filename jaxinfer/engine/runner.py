@@ -1,35 +1,21 @@
 """Model runner: picks the bucket of a scheduled batch, builds its inputs
 (engine/inputs.py), runs the step's programs (engine/programs.py) and brings
-one StepOutput back to the host, whatever kind of step it was.
-
-Buckets: a pure-decode step (one new token per sequence) runs in (n, n) for
-n one of the backend's decode buckets (CPU: every power of two from 1 up to
-max_num_seqs; GPU: powers of four), and the Pallas attention serves it with
-its split-k decode kernel. Other steps pad the flattened token count to a
-power of two from 16 up to max_num_batched_tokens and the sequence count to
-one of the backend's buckets for that many tokens (CPU: every power of two
-from 8 up to max_num_seqs; GPU: one). With K speculative tokens, a step that
-verifies drafts runs in (n (1 + K), n) for the decode buckets n. Everything
-compiles at warm-up; a compilation after warm-up is counted and logged as
-an error.
+one StepOutput back to the host, whatever kind of step it was. Which programs
+exist per bucket, and their compilation at warm-up, are its base class's
+(engine/compiled_programs.py).
 """
 
 from __future__ import annotations
 
-import atexit
-import logging
-import threading
 import time
-import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.executable_cache import LOAD_THREADS, ExecutableCache
+from jaxinfer.engine.compiled_programs import CompiledPrograms
+from jaxinfer.engine.executable_cache import ExecutableCache
 from jaxinfer.engine.inputs import StepInputs, build_inputs
 from jaxinfer.engine.programs import forward_step, sample_step, verify_step
 from jaxinfer.engine.sampler import CONDITIONAL, SamplerWork, SamplingMetadata, make_penalty_inputs, needed_work
@@ -37,9 +23,6 @@ from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence
 from jaxinfer.engine.token_rules import constrained_this_step, fill_step_masks
 from jaxinfer.structured.matcher import bitmask_width
-from jaxinfer.utils import bucket_size, powers_of_two
-
-log = logging.getLogger(__name__)
 
 
 class StepOutput(NamedTuple):
@@ -75,13 +58,13 @@ class Launched(NamedTuple):
     row_start: np.ndarray
 
 
-class ModelRunner:
+class ModelRunner(CompiledPrograms):
     def __init__(self, config: ModelConfig, params, kv_cache, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, backend,
                  num_speculative_tokens: int = 0, sampling: bool = True, with_features: bool = False,
                  mesh=None, lora=None, executable_cache: ExecutableCache | None = None):
         """backend: the model's platform backend (backends/) with the engine's
-        attention_backend option set in it; every forward runs through it.
+        attention option set in it; every forward runs through it.
         sampling=False: forward programs only (a draft model's runner, whose
         proposer takes its own argmax of the logits). with_features: steps
         return StepOutput.features (what a proposer's `needs_features` asks).
@@ -89,35 +72,20 @@ class ModelRunner:
         then takes each row's adapter slot and the slots' current buffers.
         executable_cache: where warm-up finds and stores compiled programs
         (engine/executable_cache.py), or None."""
+        # The bucket grid and its executables; sets backend, num_speculative_tokens and sampling.
+        super().__init__(backend, max_num_seqs, max_num_batched_tokens, num_speculative_tokens, sampling,
+                         executable_cache)
         self.config = config
         # The ("model",) mesh params and kv_cache are sharded over, or None (one device).
         self.mesh = mesh
-        self.backend = backend
         self.params = params
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.num_speculative_tokens = num_speculative_tokens
-        self.sampling = sampling
         self.with_features = with_features
         self.lora = lora
         # A padded verify row sits at a position up to K beyond the sequence;
         # its table entry must exist (it reads the null block).
         self.max_blocks_per_seq = -(-(max_model_len + num_speculative_tokens) // block_size)
-        self.token_buckets = powers_of_two(16, max_num_batched_tokens)
-        self.seq_buckets = powers_of_two(8, max_num_seqs)
-        # Padding one decode token to 16 would multiply a memory-bound step's compute by 16.
-        self.decode_buckets = backend.decode_buckets(max_num_seqs)
-        # program -> its compiled executable (warmup, _run; one assignment per
-        # program, so the serving thread may read it while another fills it);
-        # the buckets whose programs are all compiled; the thread compiling
-        # the others, if any.
-        self._executables: dict = {}
-        self.executable_cache = executable_cache
-        self._cache_keys: dict = {}  # program -> its executable cache key (warmup)
-        self.num_loaded = 0  # programs warm-up found in the executable cache
-        self._ready: frozenset = frozenset()
-        self._background: _BackgroundCompile | None = None
-        self.warmed_up = False
         self.device_time = 0.0  # seconds from dispatching a step to its outputs on the host
         # Structured outputs: host seconds filling token bitmasks, and the rows filled.
         self.mask_time = 0.0
@@ -129,149 +97,15 @@ class ModelRunner:
         # feed_size (every sequence bucket fits), on the device, and each of
         # its sequences' row in it; per token bucket, an all -1 feed index.
         self.feed_size = max(self.decode_buckets + [s for t in self.token_buckets for s in self._mixed_seq_buckets(t)])
-        # The sample programs of each size: the conditional one, or one per
-        # combination of optional pieces (engine/sampler.py, needed_work).
-        self._sampler_works = [CONDITIONAL] if backend.conditional_skips else [
-            SamplerWork(conditional=False, draw=draw, filters=filters)
-            for draw, filters in ((False, False), (True, False), (True, True))]
         self._feed = self._put(np.zeros(self.feed_size, np.int32)) if mesh is not None else \
             jax.device_put(np.zeros(self.feed_size, np.int32))
         self._feed_rows: dict = {}
         self._no_feed_indices: dict[int, jax.Array] = {}
 
-    # -- buckets and warm-up -------------------------------------------------
-    def buckets(self) -> list[tuple[int, int, str]]:
-        """(tokens, seqs, layout) buckets of the forward program."""
-        buckets = [(n, n, "decode") for n in self.decode_buckets]
-        # >= 1 token per sequence, so seqs <= tokens.
-        buckets += [(t, s, "mixed") for t in self.token_buckets for s in self._mixed_seq_buckets(t)]
-        k = self.num_speculative_tokens
-        return buckets + [(n * (1 + k), n, "verify") for n in self.decode_buckets if k]
-
-    def bucket_programs(self, bucket: tuple[int, int, str]) -> list[tuple]:
-        """The programs a step in `bucket` runs: its forward and, with sampling,
-        the sampler of its seqs size, plain and full (programs.py), one per
-        SamplerWork the backend uses (engine/sampler.py), and acceptance for a
-        verify bucket."""
-        _, num_seqs, layout = bucket
-        programs = [("forward", *bucket)]
-        if self.sampling:
-            programs += [("sample", num_seqs, full, work) for full in (False, True) for work in self._sampler_works]
-            if layout == "verify":
-                programs.append(("verify", num_seqs, self.num_speculative_tokens))
-        return programs
-
-    def programs(self) -> list[tuple]:
-        """Every program warm-up compiles."""
-        return list(dict.fromkeys(p for bucket in self.buckets() for p in self.bucket_programs(bucket)))
-
-    @property
-    def num_compilations(self) -> int:
-        """Programs compiled (or loaded from the executable cache) so far:
-        warm-up's, and any a step needed after it (an error, see _run)."""
-        return len(self._executables)
-
-    def bucket(self, num_tokens: int, num_seqs: int, verify: bool = False) -> tuple[int, int, str]:
-        if verify:
-            n = min(b for b in self.decode_buckets if b >= num_seqs)
-            bucket = (n * (1 + self.num_speculative_tokens), n, "verify")
-        elif num_tokens == num_seqs:
-            n = min(b for b in self.decode_buckets if b >= num_seqs)
-            bucket = (n, n, "decode")
-        else:
-            tokens = bucket_size(num_tokens, 16)
-            bucket = (tokens, min(s for s in self._mixed_seq_buckets(tokens) if s >= num_seqs), "mixed")
-        if bucket in self._ready:
-            return bucket
-        # Its programs are still compiling in the background (warmup): the
-        # smallest ready bucket of the layout that holds the step (padding
-        # rows and sequences are inert), at worst the largest, ready first.
-        return min((b for b in self._ready if b[2] == bucket[2] and b[0] >= bucket[0] and b[1] >= bucket[1]),
-                   default=bucket)
-
-    def _mixed_seq_buckets(self, num_tokens: int) -> list[int]:
-        """The sequence buckets compiled for mixed steps of num_tokens (a bucket) tokens: the backend's choice."""
-        return self.backend.mixed_seq_buckets(num_tokens, self.seq_buckets)
-
-    def warmup(self, progress: bool = True, background: bool = False) -> None:
-        """Compile every program of programs(), running none: the executables
-        are kept and called directly (_run). (Warm-up used to run each program
-        once; that only cost time.)
-
-        The largest bucket of each layout compiles first: any step fits in it,
-        so the runner can serve as soon as those are ready. With background,
-        the other buckets then compile on a thread while the engine serves, the
-        smallest first; until a step's own bucket is ready, bucket() pads the
-        step into a ready one, so no step ever waits for a compilation. That
-        took the default model's start on the 2-core CPU from ~19 s to
-        BENCHMARKS.md's figure. Programs compile backend.compile_threads at a
-        time (one on CPU, where XLA already spreads one compilation over the
-        cores and two at once gained nothing; several on a GPU's host, where
-        each compilation of an unrolled model is mostly one thread's work).
-
-        Programs in the executable cache are loaded, not compiled. Every
-        other program is traced and lowered here, on the calling thread, and
-        only XLA's compilation of the lowered modules runs on the other. JAX
-        calls its thread support limited, and a first version that also
-        lowered on the background thread failed now and then inside JAX's
-        lowering (a KeyError on a jaxpr variable) while the engine served;
-        compilation is XLA's C++ alone. Lowering all 25 programs of the default
-        engine costs ~2 s of the start (BENCHMARKS.md, "Cold start")."""
-        buckets = self.buckets()
-        layouts = dict.fromkeys(layout for _, _, layout in buckets)
-        first = [max(b for b in buckets if b[2] == layout) for layout in layouts]
-        rest = sorted((b for b in buckets if b not in first), key=lambda b: b[:2])
-        calls = {p: self._warmup_call(p) for p in self.programs()}
-        if self.executable_cache is not None:
-            self._cache_keys = {p: self.executable_cache.key(p, args, statics) for p, (_, args, statics) in calls.items()}
-            loaded = self.executable_cache.load_all(self._cache_keys, max(LOAD_THREADS, self.backend.compile_threads))
-            self._executables.update(loaded)
-            self.num_loaded = len(loaded)
-        lowered = {p: self._lower(p, *calls[p])
-                   for p in tqdm([p for p in calls if p not in self._executables], desc="lowering", unit="program",
-                                 disable=not progress, leave=False)}
-        self._compile(first, lowered, progress)
-        self.warmed_up = True
-        if background and rest:
-            self._background = _BackgroundCompile(self, rest, lowered)
-        else:
-            self._compile(rest, lowered, progress)
-
-    def wait_compiled(self) -> None:
-        """Block until a background warm-up has compiled every program."""
-        if self._background is not None:
-            self._background.join()
-
-    def _compile(self, buckets: list[tuple], lowered: dict, progress: bool = False,
-                 stop: threading.Event | None = None) -> None:
-        """Compile the programs of `buckets` (backend.compile_threads at once),
-        marking each bucket ready once all of its programs are, in order."""
-        todo = list(dict.fromkeys(p for b in buckets for p in self.bucket_programs(b) if p not in self._executables))
-        with ThreadPoolExecutor(self.backend.compile_threads, thread_name_prefix="jaxinfer-compile") as pool:
-            futures = {p: pool.submit(self._compile_one, lowered[p], p) for p in todo}
-            for bucket in tqdm(buckets, desc="compiling", unit="bucket", disable=not progress, leave=False):
-                for program in self.bucket_programs(bucket):
-                    if program in futures:
-                        self._executables[program] = futures[program].result()
-                self._ready = self._ready | {bucket}  # rebound, never mutated: bucket() reads it from another thread
-                if stop is not None and stop.is_set():
-                    pool.shutdown(cancel_futures=True)
-                    return
-
-    def _compile_one(self, lowered, program: tuple):
-        options = self.backend.compiler_options()
-        if self.executable_cache is None:
-            return lowered.compile(options)
-        return self.executable_cache.compile(lowered, self._cache_keys[program], options)
-
-    @staticmethod
-    def _lower(program: tuple, fn, args: tuple, statics: dict):
-        # Lowered from shapes alone: the compiling thread must not hold the
-        # buffers (the KV pool is donated, so deleted, at every step).
-        return fn.lower(*jax.tree.map(_shape_of, args), **statics)
-
+    # -- programs ------------------------------------------------------------
     def _warmup_call(self, program: tuple):
-        """(jitted program, placeholder arguments of the program's shapes, static arguments)."""
+        """(jitted program, placeholder arguments of the program's shapes, static arguments):
+        what warm-up (engine/compiled_programs.py) lowers each program with."""
         kind, num_seqs = program[0], program[2] if program[0] == "forward" else program[1]
         sampling = SamplingMetadata.from_params([None] * num_seqs, [0] * num_seqs, [0] * num_seqs, num_seqs)
         vocab = self.config.vocab_size
@@ -292,14 +126,8 @@ class ModelRunner:
         return self._verify_call(logits, drafts, num_drafts, sampling)
 
     def _run(self, program: tuple, fn, args: tuple, statics: dict):
-        """Run `program`'s executable. One missing after warm-up is a shape that
-        escaped bucketing: it is compiled here, counted and logged as an error."""
-        executable = self._executables.get(program)
-        if executable is None:
-            if self.warmed_up:
-                log.error("compilation after warm-up of %s: a shape escaped bucketing", program)
-            executable = self._executables[program] = self._lower(program, fn, args, statics).compile()
-        return executable(*args)
+        """Run `program`'s executable (compiled at warm-up, see _executable)."""
+        return self._executable(program, fn, args, statics)(*args)
 
     def _put(self, tree):
         """Host inputs: as they are on one device (jit transfers them), replicated on a mesh."""
@@ -309,7 +137,6 @@ class ModelRunner:
 
         return replicate(tree, self.mesh)
 
-    # -- programs ------------------------------------------------------------
     def inputs(self, token_ids: list[list[int]], num_computed: list[int], num_new: list[int],
                block_tables: list[list[int]], verify: bool = False, seq_lora_slots: list[int] | None = None
                ) -> StepInputs:
@@ -473,41 +300,3 @@ class ModelRunner:
     def _penalty_inputs(self, seqs: list[Sequence], num_seqs: int):
         return make_penalty_inputs([s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
                                    self.config.vocab_size, num_seqs, [s.params.logit_bias for s in seqs])
-
-
-def _shape_of(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
-
-
-class _BackgroundCompile:
-    """A daemon thread compiling a runner's remaining buckets. At interpreter
-    exit it is told to stop after its current bucket and joined: a thread
-    left inside XLA while the process tears down can crash the exit."""
-
-    _running: weakref.WeakSet = weakref.WeakSet()
-
-    def __init__(self, runner: ModelRunner, buckets: list[tuple], lowered: dict):
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._main, args=(runner, buckets, lowered), name="jaxinfer-compile",
-                                        daemon=True)
-        _BackgroundCompile._running.add(self)
-        self._thread.start()
-
-    def _main(self, runner: ModelRunner, buckets: list[tuple], lowered: dict) -> None:
-        try:
-            runner._compile(buckets, lowered, stop=self._stop)
-        except Exception:  # the largest buckets still serve every step
-            log.exception("background compilation failed; steps keep running in the buckets compiled so far")
-
-    def join(self) -> None:
-        self._thread.join()
-
-    @classmethod
-    def stop_all(cls) -> None:
-        for job in list(cls._running):
-            job._stop.set()
-        for job in list(cls._running):
-            job.join()
-
-
-atexit.register(_BackgroundCompile.stop_all)
