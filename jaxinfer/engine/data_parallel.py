@@ -57,8 +57,18 @@ class DataParallelEngine:
         self.replica_of: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="dp-replica")
 
+    # Requests are checked by one replica's rules: replicas are configured alike.
     def validate(self, name, prompt_token_ids, params) -> None:
-        self.replicas[0].validate(name, prompt_token_ids, params)  # replicas are configured alike
+        self.replicas[0].validate(name, prompt_token_ids, params)
+
+    def validate_prompt(self, name, prompt_token_ids) -> None:
+        self.replicas[0].validate_prompt(name, prompt_token_ids)
+
+    def check_token_ids(self, name, token_ids) -> None:
+        self.replicas[0].check_token_ids(name, token_ids)
+
+    def validate_priority(self, name, priority) -> None:
+        self.replicas[0].validate_priority(name, priority)
 
     def check_structured_outputs(self, name, params) -> None:
         self.replicas[0].check_structured_outputs(name, params)  # each replica compiles (and caches) its own

@@ -1,5 +1,8 @@
 """OpenAI's error shape, {"error": {"message", "type", "param", "code"}}, for every failure.
 
+Handlers raise APIError; the engine thread's errors are mapped to their
+status by engine_failure; install() routes every exception through the shape.
+
 FastAPI answers a body that fails validation with 422 and a list of pydantic
 errors; OpenAI (and vLLM) answer 400 with one message, so the handlers here
 turn the first pydantic error into a 400 that names the field. Messages are
@@ -14,6 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxinfer.errors import RequestError
+from jaxinfer.server.engine_thread import EngineDead, EngineStepFailed, QueueFull
 
 logger = logging.getLogger("jaxinfer.server")
 
@@ -40,6 +46,23 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
+
+
+# What the engine thread raises at a request: engine_failure gives each its status.
+ENGINE_ERRORS = (RequestError, EngineDead, QueueFull, EngineStepFailed)
+
+
+def engine_failure(e: Exception) -> APIError:
+    """An error from the engine thread, as the HTTP status it deserves."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFull):
+        return APIError(429, f"the server is at capacity: {e}", code="queue_full")
+    if isinstance(e, EngineDead):
+        return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, EngineStepFailed):
+        return APIError(500, str(e), code="engine_step_failed")
+    return APIError(400, str(e))
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -91,6 +91,14 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: in
 
 
 @dataclass
+class Extras:
+    """What a response carries beyond the engine's deltas: prompt logprobs, the tool plan."""
+
+    scored: list = field(default_factory=list)  # per prompt: prompt_logprobs entries
+    plan: object = None  # tool_calls.ToolPlan, or None
+
+
+@dataclass
 class Choice:
     """One choice accumulated over deltas (non-streamed responses)."""
 

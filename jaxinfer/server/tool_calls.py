@@ -15,6 +15,11 @@
 so that `required` and a named function give arguments that validate
 against the schema whatever the model, while `auto` is as good as the
 model's own tool use.
+
+For the grammar, an object schema in a tool's parameters that does not say
+`additionalProperties` is closed (false), as vLLM's default grammar backend
+reads it: otherwise the grammar lets a model invent keys the tool never
+listed. A schema that says `additionalProperties: true` keeps that meaning.
 """
 
 from __future__ import annotations
@@ -45,8 +50,44 @@ def template_tools(request) -> list[dict] | None:
     return [tool.model_dump(exclude_none=True) for tool in request.tools]
 
 
+# Keywords whose value is a schema, a list of schemas, or a {name: schema} map.
+_SUBSCHEMA = ("items", "contains", "not", "if", "then", "else", "additionalProperties", "unevaluatedProperties",
+              "propertyNames", "additionalItems", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _is_object_schema(schema: dict) -> bool:
+    kind = schema.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
+
+
+def closed_schema(schema):
+    """A copy of `schema` in which every object schema that does not state
+    additionalProperties has it false; one that states it (true, false or a
+    schema) keeps what it says."""
+    if isinstance(schema, list):  # the legacy form of items: one schema per position
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema  # true / false schemas
+    closed = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in closed:
+            closed[key] = closed_schema(closed[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_schema(s) for s in closed[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_schema(s) for name, s in closed[key].items()}
+    if _is_object_schema(closed) and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
 def _parameters(tool) -> dict:
-    return tool.function.parameters or _ANY_OBJECT
+    """The schema the grammar enforces on a tool's arguments."""
+    return closed_schema(tool.function.parameters or _ANY_OBJECT)
 
 
 def required_schema(tools, parallel: bool) -> dict:

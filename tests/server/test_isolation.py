@@ -1,6 +1,6 @@
-"""One request must never slow, break or starve the others (issue 34, part 2).
+"""One request must never slow, break or starve the others.
 
-Each test here failed before its fix (run against e09aabb): an unbounded
+Each test guards a failure the server once had: an unbounded
 stop list was accepted, a huge /tokenize froze the event loop, admission
 counted prompts rather than sequences, the grammar queue had no bound,
 -inf logprobs of a masked distribution broke the JSON, one failed step

@@ -1,4 +1,4 @@
-"""LoRA adapters through `jaxinfer serve` (issue 16): adapters served as
+"""LoRA adapters through `jaxinfer serve`: adapters served as
 models of their own names, picked by the request's `model` field, checked
 with the real `openai` client over HTTP on 127.0.0.1 against LLM.generate /
 LLM.chat with the same LoRARequest (which tests/api/test_lora.py checks against
@@ -21,7 +21,8 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.cli import _engine_options, build_parser, parse_lora_modules
 from jaxinfer.errors import RequestError
 from jaxinfer.lora.request import LoRARequest
-from jaxinfer.server.app import ServerState, build_app
+from jaxinfer.server.app import build_app
+from jaxinfer.server.state import ServerState
 from tests.lora_helpers import make_adapter
 from tests.serving import served
 

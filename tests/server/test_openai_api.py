@@ -377,6 +377,12 @@ class ScriptedEngine:
     def validate(self, name, token_ids, params):
         pass
 
+    def validate_prompt(self, name, token_ids):
+        pass
+
+    def validate_priority(self, name, priority):
+        pass
+
     def add_request(self, request_id, token_ids, params, prompt=None, lora_request=None):
         from jaxinfer.outputs import CompletionOutput, RequestOutput
 

@@ -1,4 +1,4 @@
-"""What vLLM clients send, through `jaxinfer serve` (issue 34, part 1): tool
+"""What vLLM clients send, through `jaxinfer serve`: tool
 calling, vLLM's sampling and output fields, its legacy guided_* fields,
 prompt logprobs, the priority policy's field, vLLM-named metrics, CORS and
 /version, each through the real `openai` client (or raw HTTP where the
@@ -140,6 +140,36 @@ def test_required_calls_validate_and_parallel_flag(server):
         assert len({c["id"] for c in calls}) == len(calls)
 
 
+# A tool whose schema (the issue's get_time) says nothing of additionalProperties,
+# at either depth; what the arguments must validate against, written closed.
+OPEN_TIME = {"type": "object", "properties": {
+    "zone": {"type": "string", "pattern": "^[A-Z][a-z]{2,8}$"},
+    "options": {"type": "object", "properties": {"format": {"enum": ["12h", "24h"]}}, "required": ["format"]}},
+    "required": ["zone", "options"]}
+CLOSED_TIME = {"type": "object", "properties": {
+    "zone": {"type": "string", "pattern": "^[A-Z][a-z]{2,8}$"},
+    "options": {"type": "object", "properties": {"format": {"enum": ["12h", "24h"]}}, "required": ["format"],
+                "additionalProperties": False}},
+    "required": ["zone", "options"], "additionalProperties": False}
+OPEN_TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "Time in a zone",
+                                                "parameters": OPEN_TIME}}]
+
+
+def test_unlisted_properties_are_not_generated(server):
+    """vLLM's default: where a tool's schema does not say additionalProperties,
+    the arguments hold only the listed keys, at every depth (sampled calls)."""
+    _, client = server
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for tool_choice in (named, "required"):
+        for seed in (0, 1, 2):
+            out = client.chat.completions.create(model=MODEL, messages=ASK, tools=OPEN_TOOLS,
+                                                 tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=60,
+                                                 temperature=1.0, seed=seed)
+            call, = out.choices[0].message.tool_calls
+            assert call.function.name == "get_time"
+            jsonschema.validate(json.loads(call.function.arguments), CLOSED_TIME)
+
+
 FORCED_CALL = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "[A-Z][a-z]{2,8}"\}\}\n</tool_call>'
 
 
@@ -171,7 +201,7 @@ def test_tools_and_tool_history_render_as_transformers_does(server, llm):
             "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
     ours = httpx.post(url + "/tokenize", json={"messages": history, "tools": TOOLS}).json()["tokens"]
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=llm.tokenizer.backend)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=llm.tokenizer.rust_tokenizer)
     hf_history = [dict(m) for m in history]
     hf_history[1] = dict(history[1], tool_calls=[{"id": "call_1", "type": "function", "function": {
         "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}])  # HF's convention: objects
