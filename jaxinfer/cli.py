@@ -32,9 +32,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     _add_quantization_args(parser)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--attention-backend", default=None, choices=["xla", "jnp", "pallas", "pallas_interpret"],
-                        help="default: pallas on GPU, xla elsewhere (jnp: xla without the native CPU "
-                        "attention kernel)")
+    parser.add_argument("--attention", "--attention-backend", dest="attention", default=None,
+                        choices=["reference", "native", "pallas", "xla", "jnp", "pallas_interpret"],
+                        help="the attention implementation: native (CPU's C++ kernel, the CPU default), pallas "
+                        "(the GPU default), reference (plain jnp); xla / jnp / pallas_interpret: older names "
+                        "(--attention-backend), accepted for one release")
     parallel = parser.add_argument_group("multi-device (README.md, Multi-device)")
     parallel.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                           help="shard the model over N devices")
@@ -71,7 +73,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _engine_options(args) -> dict:
     """LLM(...) keywords of _add_model_args' and _add_engine_args' engine options."""
     options = dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+                   max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention,
                    async_scheduling=args.async_scheduling)
     if args.speculative_method:
         options["speculative"] = {"method": args.speculative_method,
@@ -130,7 +132,7 @@ def _generate(args) -> int:
     # One batch of these prompts is all this engine runs: its programs are the
     # buckets of that many sequences, compiled (or loaded) before it starts, so
     # that no compilation shares the cores with the generation it times.
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, attention=args.attention,
               max_num_seqs=len(args.prompts), **_quantization_options(args), **_parallel_options(args))
     llm.wait_compiled()
     loaded = time.perf_counter()

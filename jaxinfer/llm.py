@@ -7,7 +7,7 @@ import itertools
 from tqdm.auto import tqdm
 
 from jaxinfer.backends import choose_backend
-from jaxinfer.engine.config import EngineConfig, check_pool_holds_context
+from jaxinfer.engine.config import EngineConfig, fit_default_context
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.errors import RequestError
 from jaxinfer.loading.model import load
@@ -32,8 +32,9 @@ class LLM:
     by default float32 means float32 on every platform (backends/, choose_backend).
     engine_options: max_model_len, block_size, num_kv_blocks, kv_cache_memory_fraction,
     max_num_seqs, max_num_batched_tokens, enable_prefix_caching, scheduling_policy,
-    attention_backend ("xla", "jnp", "pallas", "pallas_interpret"; default pallas on GPU, xla elsewhere;
-    on CPU "xla" runs decode steps in a native kernel built on first use, "jnp" never does),
+    attention ("native": the CPU's C++ kernel, built on first use, the CPU default; "pallas": the Pallas
+    kernels, the GPU default, in interpret mode elsewhere; "reference": plain jnp; backends/attention.py.
+    The older option attention_backend and its values "xla", "jnp", "pallas_interpret" are accepted),
     kv_cache_dtype ("auto": the model's dtype; "int8" or "fp8": quantized K/V with a float32 scale
     per token and KV head, about 4x (float32 models) or 2x (bfloat16) the blocks for the same memory),
     speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see engine/spec/config.py),
@@ -59,8 +60,6 @@ class LLM:
         context_parallel_size: int | None = None, **engine_options,
     ):
         meshes = [None]
-        if context_parallel_size not in (None, 1) and engine_options.get("attention_backend") is None:
-            engine_options["attention_backend"] = "xla"  # the ring is plain jnp under shard_map
         if tensor_parallel_size is not None or data_parallel_size is not None or context_parallel_size is not None:
             from jaxinfer.parallel.distributed import check_data_parallel_hosts
             from jaxinfer.parallel.mesh import replica_meshes
@@ -74,8 +73,8 @@ class LLM:
         self.model = load(model, dtype=dtype, progress=progress, quantization=quantization, mesh=meshes[0],
                           backend=backend)
         self.tokenizer = self.model.tokenizer
-        # max_model_len defaults to the model's whole context (vLLM's rule), which
-        # the KV pool must then hold for one request (check_pool_holds_context).
+        # max_model_len defaults to the model's whole context (vLLM's rule), or
+        # the longest the KV pool holds (fit_default_context).
         default_len = engine_options.get("max_model_len") is None
         if default_len:
             engine_options["max_model_len"] = self.model.config.max_position_embeddings
@@ -85,8 +84,9 @@ class LLM:
             known = set(EngineConfig.__dataclass_fields__)
             unknown = sorted(set(engine_options) - known)
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}") from None
+        config = config.for_backend(self.model.backend)
         if default_len:
-            check_pool_holds_context(self.model, config)
+            config = fit_default_context(self.model, config)
         self.max_model_len = config.max_model_len
         if len(meshes) == 1:
             self.engine = LLMEngine(self.model, config, progress=progress)

@@ -55,10 +55,10 @@ def window_spans(num_tokens: int, context_len: int, stride: int) -> list[tuple[i
     return spans
 
 
-def _allocate_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype, kv_cache_dtype: str):
+def _allocate_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype, kv_cache_dtype: str, backend):
     from jaxinfer.models.kv_cache import allocate_kv_cache
 
-    return allocate_kv_cache(config, num_blocks, block_size, dtype, kv_cache_dtype)
+    return allocate_kv_cache(config, num_blocks, block_size, dtype, kv_cache_dtype, fp8_dtype=backend.kv_fp8_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("kv_cache",))
@@ -73,7 +73,7 @@ def _score_chunk(params, kv_cache, tokens, targets, meta, *, config: ModelConfig
 
 def perplexity(model, token_ids, context_len: int | None = None, stride: int | None = None,
                kv_cache_dtype: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
-               block_size: int = DEFAULT_BLOCK_SIZE, attention_backend: str | None = None,
+               block_size: int = DEFAULT_BLOCK_SIZE, attention: str | None = None,
                progress: bool = False) -> PerplexityResult:
     """Perplexity of `token_ids` under `model` (a loaded `Model`).
 
@@ -95,14 +95,14 @@ def perplexity(model, token_ids, context_len: int | None = None, stride: int | N
         raise ValueError(f"stride must lie in [1, context_len={context_len}], got {stride}")
     if chunk_size < 1 or block_size < 1:
         raise ValueError("chunk_size and block_size must be positive")
-    backend = model.backend.with_attention(attention_backend)
+    backend = model.backend.with_attention(attention)
     chunk_size = min(chunk_size, context_len)
 
     num_blocks = -(-context_len // block_size)
     table = np.arange(1, num_blocks + 1, dtype=np.int32)  # block 0 is the null block padding writes to
     # One sequence at a time, so one pool serves every window: a window's stale slots lie past its
     # context length until it overwrites them, and attention never reads past that length.
-    cache = _allocate_cache(config, num_blocks + 1, block_size, model.dtype, kv_cache_dtype)
+    cache = _allocate_cache(config, num_blocks + 1, block_size, model.dtype, kv_cache_dtype, backend)
 
     spans = window_spans(len(ids), context_len, stride)
     nll, scored = 0.0, 0

@@ -43,7 +43,7 @@ _END_OF_TURN_TEXTS = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end
                       "<|endoftext|>", "<|end_of_text|>", "<EOT>"}
 
 
-# Texts longer than this are encoded through the backend's GIL-free path.
+# Texts longer than this are encoded through the tokenizers library's GIL-free path.
 _GIL_FREE_CHARS = 16384
 
 
@@ -148,35 +148,35 @@ class Tokenizer:
 class HFTokenizer(Tokenizer):
     """Backed by a `tokenizers.Tokenizer`; it parses added/special tokens in text itself."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, **kwargs):
+    def __init__(self, rust_tokenizer: tokenizers.Tokenizer, **kwargs):
         # A tokenizer.json may carry truncation/padding meant for training; both would corrupt prompts.
-        backend.no_truncation()
-        backend.no_padding()
-        self.backend = backend
-        super().__init__(vocab_size=backend.get_vocab_size(with_added_tokens=True), **kwargs)
+        rust_tokenizer.no_truncation()
+        rust_tokenizer.no_padding()
+        self.rust_tokenizer = rust_tokenizer
+        super().__init__(vocab_size=rust_tokenizer.get_vocab_size(with_added_tokens=True), **kwargs)
 
     def _encode_text(self, text):
-        # BOS is ours to add (see `encode`), so the backend's post-processor stays out of it.
+        # BOS is ours to add (see `encode`), so the tokenizers library's post-processor stays out of it.
         if len(text) > _GIL_FREE_CHARS:
             # encode_batch releases the GIL while it works (encode holds it: 8 MB of text
             # froze every other thread of a server for ~6 s), so other threads run meanwhile.
-            return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
-        return self.backend.encode(text, add_special_tokens=False).ids
+            return self.rust_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        return self.rust_tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids, skip_special_tokens=True):
-        # Ids past the vocabulary (a padded embedding) are dropped by the backend; negative ones we drop.
+        # Ids past the vocabulary (a padded embedding) are dropped by the tokenizers library; negative ones we drop.
         ids = [i for i in map(int, token_ids) if i >= 0]
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.rust_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_piece(self, token_id):
         token_id = int(token_id)
-        return (self.backend.id_to_token(token_id) or "") if token_id >= 0 else ""
+        return (self.rust_tokenizer.id_to_token(token_id) or "") if token_id >= 0 else ""
 
     def save(self, directory):
         directory = Path(directory)
-        self.backend.save(str(directory / "tokenizer.json"))
-        bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
-        eos = self.backend.id_to_token(self.eos_token_id) if self.eos_token_id is not None else None
+        self.rust_tokenizer.save(str(directory / "tokenizer.json"))
+        bos = self.rust_tokenizer.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+        eos = self.rust_tokenizer.id_to_token(self.eos_token_id) if self.eos_token_id is not None else None
         return ["tokenizer.json", *self._save_configs(directory, bos, eos)]
 
 
@@ -387,22 +387,22 @@ def load_tokenizer(path) -> Tokenizer:
 
     if file.suffix == ".json":
         try:
-            backend = tokenizers.Tokenizer.from_file(str(file))
+            rust_tokenizer = tokenizers.Tokenizer.from_file(str(file))
         except Exception as e:
             raise TokenizerError(f"{file}: not a tokenizers JSON file: {e}") from e
-        bos = backend.token_to_id(bos_text) if bos_text else None
-        eos = backend.token_to_id(eos_text) if eos_text else None
+        bos = rust_tokenizer.token_to_id(bos_text) if bos_text else None
+        eos = rust_tokenizer.token_to_id(eos_text) if eos_text else None
         add_bos = config.get("add_bos_token")
         if add_bos is None:
             # No config flag: the tokenizer.json post-processor says whether a BOS is prepended.
-            plain = backend.encode("a", add_special_tokens=False).ids
-            full = backend.encode("a").ids
+            plain = rust_tokenizer.encode("a", add_special_tokens=False).ids
+            full = rust_tokenizer.encode("a").ids
             add_bos = len(full) > len(plain) and full[1:len(plain) + 1] == plain
             if add_bos and bos is None:
                 bos = full[0]
         if eos is None and gen_eos:
             eos = gen_eos[0]
-        return HFTokenizer(backend, bos_token_id=bos, eos_token_id=eos, add_bos_token=bool(add_bos),
+        return HFTokenizer(rust_tokenizer, bos_token_id=bos, eos_token_id=eos, add_bos_token=bool(add_bos),
                            chat_template=chat_template, extra_eos_ids=gen_eos)
 
     processor = sentencepiece.SentencePieceProcessor()
@@ -452,9 +452,9 @@ def tokenizer_from_gguf(reader) -> Tokenizer | None:
                   chat_template=meta.get("tokenizer.chat_template"))
 
     if model == "gpt2":
-        backend = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges") or [],
+        rust_tokenizer = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges") or [],
                                   meta.get("tokenizer.ggml.pre"))
-        return HFTokenizer(backend, add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)), **common)
+        return HFTokenizer(rust_tokenizer, add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)), **common)
     if model == "llama":
         scores = meta.get("tokenizer.ggml.scores")
         if scores is None:  # without scores, file order is the best guess at merge priority
@@ -494,17 +494,17 @@ def _byte_level_bpe(tokens, types, merges, pre) -> tokenizers.Tokenizer:
             raise TokenizerError(f"GGUF tokenizer.ggml.merges entry {merge!r} is not 'left right'")
         pairs.append((left, right))
     vocab = {token: i for i, token in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
-    backend.pre_tokenizer = pre_tokenizer
+    rust_tokenizer = tokenizers.Tokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
+    rust_tokenizer.pre_tokenizer = pre_tokenizer
     if normalizer is not None:
-        backend.normalizer = normalizer
-    backend.decoder = decoders.ByteLevel()
+        rust_tokenizer.normalizer = normalizer
+    rust_tokenizer.decoder = decoders.ByteLevel()
     # Registered as added tokens, these are matched whole in text and decoded verbatim.
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+    rust_tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, ty in zip(tokens, types) if ty == _CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+    rust_tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
-    return backend
+    return rust_tokenizer
 
 
 def _sentencepiece_bpe(tokens, scores, types, unk_id, add_space_prefix) -> sentencepiece.SentencePieceProcessor:

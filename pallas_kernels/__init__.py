@@ -10,7 +10,7 @@ quantized_matmul         x @ W for int8 / int4 / fp8 quantized weights (plain ar
                          backend's `linear` (jaxinfer/backends/gpu.py) calls it
 
 Written for the Triton GPU lowering (JAX 0.10 and 0.11); tests run them with
-interpret=True on CPU. The engine reaches them through
-jaxinfer/models/paged_attention.py (attention_backend "pallas" /
-"pallas_interpret") and jaxinfer/backends/gpu.py.
+interpret=True on CPU. The engine reaches them through its backends:
+jaxinfer/backends/attention.py (the `attention` option "pallas") and
+jaxinfer/backends/gpu.py.
 """

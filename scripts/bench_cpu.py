@@ -208,7 +208,7 @@ def setup_jaxinfer(path, scheme, prompts, prefill_prompt, batch_sizes, output_le
     weights_kv, _, backend = scheme.partition(":")
     weights, _, kv_cache_dtype = weights_kv.partition("/")
     options = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
-    options.update({"attention_backend": backend} if backend else {})
+    options.update({"attention": backend} if backend else {})
     llm = LLM(str(path), quantization=None if weights == "none" else weights, progress=False, **options,
               max_num_seqs=max_batch, max_num_batched_tokens=max(max_batch * prompt_len, len(prefill_prompt)),
               num_kv_blocks=1 + max(max_batch * blocks_per_seq, math.ceil(len(prefill_prompt) / BLOCK_SIZE) + 1),

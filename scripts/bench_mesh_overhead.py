@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--attention", "--attention-backend", dest="attention", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -40,7 +40,7 @@ def main() -> None:
 
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     options = dict(dtype=dtype, progress=False, max_model_len=args.input_len + args.output_len + 16,
-                   max_num_seqs=max(8, args.batch_size), attention_backend=args.attention_backend)
+                   max_num_seqs=max(8, args.batch_size), attention=args.attention)
     engines = {"plain": LLM(args.model, **options), "mesh of 1": LLM(args.model, tensor_parallel_size=1, **options)}
     run_latency(engines["plain"], args.batch_size, args.input_len, 4)  # first-use effects, both paths
     run_latency(engines["mesh of 1"], args.batch_size, args.input_len, 4)

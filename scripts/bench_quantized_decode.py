@@ -182,8 +182,8 @@ def decode_steps(params, kv_cache, token, start_pos, block_table, *, config: Mod
 
 def bench_decode(args, config: ModelConfig, scheme: str, copy_gbs: float | None) -> dict:
     start = time.perf_counter()
-    backend = choose_backend(dtype=DTYPE, attention=args.attention_backend)
-    params = backend.layout(build_params(config, scheme, args.quantize_head))
+    backend = choose_backend().with_dtype(DTYPE).with_attention(args.attention)
+    params = backend.arrange_weights(build_params(config, scheme, args.quantize_head))
     jax.block_until_ready(params)
     build_s = time.perf_counter() - start
     weight_bytes = nbytes({k: v for k, v in params.items() if k != "embed"})
@@ -344,7 +344,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=5, help="timed calls (median)")
     parser.add_argument("--context", type=int, default=512, help="cached tokens before the timed steps")
     parser.add_argument("--quantize-head", action="store_true", help="quantize lm_head too")
-    parser.add_argument("--attention-backend", default=None, help="default: pallas on GPU, xla elsewhere")
+    parser.add_argument("--attention", "--attention-backend", dest="attention", default=None,
+                        help="default: the backend's (pallas on GPU, native on CPU)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per matmul variant (median)")
     parser.add_argument("--matmul-bytes", type=float, default=512e6,
                         help="bf16 bytes of distinct weights per matmul timing (>> L2)")
@@ -355,8 +356,8 @@ def main():
 
     on_gpu = jax.default_backend() == "gpu"
     args.interpret = not on_gpu
-    if args.attention_backend is None:
-        args.attention_backend = "pallas" if on_gpu else "xla"
+    if args.attention is None:
+        args.attention = "pallas" if on_gpu else "native"
     if args.tiny:
         config, shapes = TINY, TINY_MATMUL_SHAPES
         args.steps, args.repeats, args.iters, args.context = min(args.steps, 2), min(args.repeats, 1), 1, 16
@@ -369,7 +370,7 @@ def main():
     copy_gbs = copy_bandwidth_gbs(1 << 24 if args.tiny else 1 << 30, args.iters)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"{device.platform} ({device.device_kind}), jax {jax.__version__}, commit {commit or '?'}, "
-          f"copy bandwidth {copy_gbs:.0f} GB/s, attention {args.attention_backend}"
+          f"copy bandwidth {copy_gbs:.0f} GB/s, attention {args.attention}"
           + (" [interpret mode / CPU: times are not measurements]" if not on_gpu else ""))
 
     decode_rows = []

@@ -71,12 +71,12 @@ def main() -> None:
         return lambda: run(LLM(**common, **kw), PROMPTS)
 
     def tiny(directory="llama", **kw):
-        return lambda: run(LLM(str(tmp / directory), **common, **kw), [{"prompt_token_ids": p} for p in tiny_prompts])
+        return lambda: run(LLM(str(tmp / directory), **common, **kw), tiny_prompts)
 
     def lora():
         adapter = make_adapter(llama, tmp / "adapter", seed=1, r=8, target_modules=["q_proj", "v_proj", "down_proj"])
         llm = LLM(str(tmp / "llama"), **common, enable_lora=True, max_lora_rank=8)
-        return run(llm, [{"prompt_token_ids": p} for p in tiny_prompts], LoRARequest("a", 1, adapter))
+        return run(llm, tiny_prompts, LoRARequest("a", 1, adapter))
 
     configs = {
         "default": default(),
@@ -97,8 +97,8 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         results[name] = make()
+        Path(args.out).write_text(json.dumps(results, indent=1))
         print(name, [r["tokens"][:6] for r in results[name]], flush=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
     if args.compare:
         before = json.loads(Path(args.compare).read_text())
         changed = [name for name in results if name in before and before[name] != results[name]]

@@ -155,7 +155,7 @@ def tp_group(backend: str, quantization: str | None, variant="llama_tp", sizes=(
     for tp in sizes:
         start = time.perf_counter()
         llm = LLM(directory, progress=False, quantization=quantization, tensor_parallel_size=tp,
-                  attention_backend=backend, **ENGINE)
+                  attention=backend, **ENGINE)
         startup = time.perf_counter() - start
         assert llm.model.mesh.size == tp
         num_arrays = check_param_shardings(llm.model.params, llm.model.mesh)
@@ -469,7 +469,7 @@ GROUPS = {
     # float XLA group above is the baseline that tells the two apart.
     # TP 4 only: the Pallas kernels run interpreted (each size ~12 s), and the
     # float group covers TP 2 and TP 8's replicated KV heads.
-    "tp-pallas-int8": lambda: tp_group("pallas_interpret", "int8", sizes=(4,)),
+    "tp-pallas-int8": lambda: tp_group("pallas", "int8", sizes=(4,)),
     "specs": specs_group,
     "dp": dp_group,
     "lora": lora_group,

@@ -265,7 +265,7 @@ def capacity_group():
         f"(|logprob diff| {err:.1e}); blocks per device never more than 1 apart over {len(spread)} allocations")
     check_collectives(llm, 4, 1)
     refused = [(dict(kv_cache_dtype="int8"), "kv_cache_dtype='auto'"),
-               (dict(attention_backend="pallas"), "attention_backend must be 'xla'"),
+               (dict(attention="pallas"), "attention must be 'reference' or unset"),
                (dict(speculative=dict(method="ngram", num_speculative_tokens=2)), "speculative"),
                (dict(enable_lora=True), "LoRA"),
                (dict(num_kv_blocks=4 * per_device + 2), "multiple of context_parallel_size")]

@@ -1,12 +1,14 @@
 """Platforms as backends: everything platform-specific, chosen once at load.
 
-    xla.py   XlaBackend: the interface, and the plain XLA reference (any platform)
-    cpu.py   CpuBackend: the native C++ kernels (jaxinfer/native/), scan over stacked weights
-    gpu.py   GpuBackend: the Pallas kernels (pallas_kernels/), unrolled over per-layer weights
+    xla.py        XlaBackend: the interface, and the plain XLA reference (any platform)
+    cpu.py        CpuBackend: the native C++ kernels (jaxinfer/native/), scan over stacked weights
+    gpu.py        GpuBackend: the Pallas kernels (pallas_kernels/), unrolled over per-layer weights
+    attention.py  the attention implementations they choose from (reference, Pallas), behind one helper
+    host_memory.py  a CPU engine's host memory settings
 
 `choose_backend` picks one from the platform the model runs on; load()
 stores it on the Model, and the engine's programs take it as a static
-argument with the attention_backend option set inside it.
+argument with the `attention` option applied (with_attention).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ def backend_class(platform: str | None = None) -> type[XlaBackend]:
     return {"cpu": CpuBackend, "gpu": GpuBackend}.get(platform, XlaBackend)
 
 
-def choose_backend(mesh=None, allow_tf32: bool = False, attention: str | None = None) -> XlaBackend:
+def choose_backend(mesh=None, allow_tf32: bool = False) -> XlaBackend:
     """The backend of a model on `mesh` (None: the default device): the
-    platform's, with the attention_backend option `attention` (None: the
-    platform's default). allow_tf32: the opt-in to TF32 dots for a float32
-    model off CPU (see with_dtype, which load() applies once the dtype is known)."""
+    platform's, with its default attention. allow_tf32: the opt-in to TF32
+    dots for a float32 model off CPU (see with_dtype, which load() applies
+    once the dtype is known)."""
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     cls = backend_class(platform)
     fields = {"native": mesh is None} if cls is CpuBackend else {}  # GSPMD cannot split a custom call
-    return cls(allow_tf32=allow_tf32, **fields).with_attention(attention)
+    return cls(allow_tf32=allow_tf32, **fields)

@@ -7,15 +7,15 @@ a few rows.
                weights makes XLA materialise each layer's slice before the
                GEMM: a one-row matvec over 32 stacked 4096 x 14336 bf16
                layers ran at 1,231 GB/s on an H200, the same layers as
-               separate arrays at 3,800 GB/s (DESIGN.md; BENCHMARKS.md, "GPU").
+               separate arrays at 3,800 GB/s (BENCHMARKS.md, "GPU").
   layer loop   a Python loop over the layers (one traced body per layer:
                more to compile than a scan, each weight read once in place).
   operations   quantized weights through pallas_kernels/quantized_matmul.py
                up to PALLAS_MAX_ROWS rows; a MoE's float experts through
                pallas_kernels/expert_matmul.py at decode sizes (each row
                reads its own expert only; XLA's ragged_dot reads them all); attention through the Pallas
-               decode and prefill kernels (attention_backend "pallas", the
-               default here); everything else XLA's.
+               decode and prefill kernels (attention "pallas", the default
+               here: backends/attention.py); everything else XLA's.
   settings     float32 dots at full precision unless TF32 is asked for
                (with_dtype), wide default batches, a small compile grid
                compiled 8 programs at a time, no lax.cond in the sampler,
@@ -54,7 +54,7 @@ class GpuBackend(XlaBackend):
     # Wide batches fill a GPU; its compile grid may be larger.
     max_num_seqs: ClassVar[int] = 128
     max_num_batched_tokens: ClassVar[int] = 2048
-    default_attention: ClassVar[str] = "pallas"
+    attentions: ClassVar[tuple[str, ...]] = ("pallas", "reference")
     # An unrolled model's compilation is long and mostly one thread's work;
     # a GPU's host has the cores to run several.
     compile_threads: ClassVar[int] = 8
@@ -70,6 +70,11 @@ class GpuBackend(XlaBackend):
 
     attention: str = "pallas"
 
+    def select_by_layer(self, layer_index, layers: tuple[int, ...], chosen, other):
+        """The unrolled loop hands a concrete layer index: choose while
+        tracing, so each layer's program holds only its own kind."""
+        return chosen() if int(layer_index) in layers else other()
+
     def decode_buckets(self, max_num_seqs: int) -> list[int]:
         """Powers of four (and the largest): each is a whole unrolled model to
         compile, and a decode step is bound by reading the weights, which
@@ -84,7 +89,7 @@ class GpuBackend(XlaBackend):
         and a context length each, attended to over no keys)."""
         return [min(num_tokens, seq_buckets[-1])]
 
-    def layout(self, params: dict) -> dict:
+    def arrange_weights(self, params: dict) -> dict:
         """Every stacked layer weight as one array per layer. The stacked copy
         of each is dropped as soon as it is split, so the extra memory is one
         weight's at a time."""
@@ -99,8 +104,8 @@ class GpuBackend(XlaBackend):
             for i in range(num_layers):
                 p = {k: w[i] if isinstance(w, PerLayer) else jax.tree.map(lambda a: a[i], w)
                      for k, w in layers.items()}
-                # A concrete index (numpy, not traced): the body may choose by
-                # it while tracing (a MoE's dense or sparse layer, models/llama.py).
+                # A concrete index (numpy, not traced): select_by_layer chooses
+                # by it while tracing.
                 carry = body(carry, p, np.int32(i))
         return carry
 
@@ -108,8 +113,7 @@ class GpuBackend(XlaBackend):
         from pallas_kernels import expert_matmul
 
         if all(expert_matmul.supports(w, x.shape[0]) for w in ws):
-            attention_interpret = self.attention.endswith("_interpret")  # the kernels' CPU test mode
-            return [expert_matmul.expert_matmul(x, w, expert_ids, interpret=attention_interpret) for w in ws]
+            return [expert_matmul.expert_matmul(x, w, expert_ids, interpret=self.interpret) for w in ws]
         return super().expert_linears(x, ws, expert_ids)
 
     def linear(self, x, w):
@@ -121,6 +125,7 @@ class GpuBackend(XlaBackend):
             if plain.data.ndim == 2 and quantized_matmul.supports(plain.data, plain.scheme, plain.group_size, rows):
                 xq = int8_blocks(x, w.activation_block) if w.activation_block else x
                 y = quantized_matmul.quantized_matmul(xq.reshape(rows, -1), plain.data, plain.scales, plain.offsets,
-                                                      scheme=plain.scheme, group_size=plain.group_size)
+                                                      scheme=plain.scheme, group_size=plain.group_size,
+                                                      interpret=self.interpret)
                 return y.astype(x.dtype).reshape(*x.shape[:-1], plain.out_features)
         return linear(x, w)

@@ -31,3 +31,17 @@ def keep_freed_host_memory() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
     return bool(libc.mallopt(m_mmap_threshold, KEPT_ALLOCATION_BYTES)
                 and libc.mallopt(m_trim_threshold, 2 * KEPT_ALLOCATION_BYTES))
+
+
+def available_host_bytes() -> int:
+    """Memory the host can still give this process without swapping: the
+    kernel's MemAvailable (free memory plus the page cache it can drop), or
+    the free pages where /proc/meminfo is not there."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

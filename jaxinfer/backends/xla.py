@@ -13,12 +13,12 @@ choose_backend), and holds every platform decision, so that the model code
                `expert_linears` (a MoE's grouped expert matmuls),
                `logits` (the head), `paged_attention` and
                `verification_attention` (prefill and decode over the paged
-               pool; the attention_backend option is a choice within the
-               backend: `attention`)
+               pool, by the implementation the `attention` option names:
+               backends/attention.py)
   settings     the float32 matmul precision of every program, the XLA
                compiler options of the engine's programs, the engine's
-               default batch sizes, and process set-up (kernel builds,
-               host memory)
+               default batch sizes, the KV pool's size and storage dtype,
+               and process set-up (kernel builds, host memory)
 
 A backend is a frozen dataclass: hashable, so the jitted programs take it as
 a static argument, and its repr (part of the executable cache's key) names
@@ -36,9 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.backends.attention import (ATTENTION_ALIASES, check_attention_name, over_paged_pool, pallas_kernel,
+                                         reference_kernel)
 from jaxinfer.models.attention import AttentionFn
-from jaxinfer.models.paged_attention import (PagedAttentionMetadata, check_attention_backend, paged_cache_attention,
-                                             verification_attention)
+from jaxinfer.models.paged_attention import PagedAttentionMetadata
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import grouped_linear, linear
 from jaxinfer.quant.mixed_stack import MixedStack
@@ -56,17 +57,27 @@ class XlaBackend:
     # seqs) bucket pair compiles at start-up, so a CPU keeps the grid small.
     max_num_seqs: ClassVar[int] = 16
     max_num_batched_tokens: ClassVar[int] = 256
-    default_attention: ClassVar[str] = "xla"
-    # Programs the engine compiles at once at start-up (engine/runner.py).
+    # The attention implementations this backend runs (backends/attention.py),
+    # its default first.
+    attentions: ClassVar[tuple[str, ...]] = ("reference", "pallas")
+    # Programs the engine compiles at once at start-up (engine/compiled_programs.py).
     compile_threads: ClassVar[int] = 1
     # Whether programs skip work no row of a batch needs with lax.cond
     # (engine/sampler.py), or compute it and select per row.
     conditional_skips: ClassVar[bool] = True
     # The engine's default for async_scheduling (engine/config.py).
     async_scheduling: ClassVar[bool] = False
+    # What an fp8 KV pool holds (models/kv_cache.py): float8_e4m3fn, which
+    # the kernels and XLA's scatter take as is.
+    kv_fp8_dtype: ClassVar[np.dtype] = np.dtype(jnp.float8_e4m3fn)
+    # The KV pool's size where the devices report no memory to measure
+    # (kv_cache_budget).
+    host_kv_cache_bytes: ClassVar[int] = 512 * 2**20
 
-    # The attention_backend option (models/paged_attention.py, ATTENTION_BACKENDS).
-    attention: str = "xla"
+    # The attention implementation every program runs (with_attention).
+    attention: str = "reference"
+    # Run the Pallas kernels in interpret mode (off a GPU: tests).
+    interpret: bool = False
     # Let a float32 model's dots run as TF32 (the explicit opt-in; with_dtype).
     allow_tf32: bool = False
     # jax.default_matmul_precision inside the layer loop and the head (None:
@@ -74,11 +85,25 @@ class XlaBackend:
     matmul_precision: str | None = None
 
     def __post_init__(self):
-        check_attention_backend(self.attention)
+        # The older option names, resolved once here: "pallas_interpret" is
+        # Pallas in interpret mode; "xla" the platform's own non-Pallas attention.
+        name = check_attention_name(self.attention)
+        if name == "pallas_interpret":
+            object.__setattr__(self, "interpret", True)
+        if name == "xla":
+            name = "native" if "native" in self.attentions else "reference"
+        name = ATTENTION_ALIASES.get(name, name)
+        if name not in self.attentions:
+            raise ValueError(f"attention {name!r} does not run on {type(self).__name__}; it runs {self.attentions}")
+        object.__setattr__(self, "attention", name)
 
     def with_attention(self, attention: str | None) -> XlaBackend:
-        """The same backend with the attention_backend option set (None: this platform's default)."""
-        return dataclasses.replace(self, attention=attention or self.default_attention)
+        """The same backend with the `attention` option applied (None: this
+        backend's default): the one place an engine's choice is resolved.
+        Pallas runs compiled on a GPU and in interpret mode elsewhere."""
+        attention = attention or self.attentions[0]
+        interpret = self.interpret or (attention == "pallas" and jax.default_backend() != "gpu")
+        return dataclasses.replace(self, attention=attention, interpret=interpret)
 
     def with_dtype(self, dtype) -> XlaBackend:
         """The backend for a model computing in `dtype` (load() binds it).
@@ -119,8 +144,8 @@ class XlaBackend:
         file's own blocks of it as params["few_row_head"] (a CPU kernel's)."""
         return False
 
-    def layout(self, params: dict) -> dict:
-        """Loaded params (layer weights stacked [layers, ...]) -> the layout
+    def arrange_weights(self, params: dict) -> dict:
+        """Loaded params (layer weights stacked [layers, ...]) -> the form
         this backend's run_layers and operations read. Here: as loaded."""
         return params
 
@@ -131,6 +156,21 @@ class XlaBackend:
 
     def start_engine(self) -> None:
         """Process settings an engine on this platform wants (LLMEngine start)."""
+
+    def kv_cache_budget(self, devices, memory_fraction: float, one_request_bytes: int,
+                        every_request_bytes: int) -> tuple[int, str]:
+        """The bytes the KV pool may take on each of `devices` (the engine's
+        devices on this host), and what that number is, for messages: a
+        fraction of the free memory where the devices report it (the fullest
+        device decides: every one holds a slice of every block), else
+        enough for every sequence at full length (every_request_bytes) up to
+        host_kv_cache_bytes. one_request_bytes: one sequence at full length."""
+        stats = [d.memory_stats() for d in devices]
+        if all(s and "bytes_limit" in s for s in stats):
+            free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+            return int(free * memory_fraction), f"kv_cache_memory_fraction={memory_fraction} of free device memory"
+        return (min(every_request_bytes, self.host_kv_cache_bytes),
+                f"the default of {self.host_kv_cache_bytes // 2**20} MiB")
 
     def decode_buckets(self, max_num_seqs: int) -> list[int]:
         """The batch sizes the engine compiles a pure-decode (and a
@@ -161,7 +201,8 @@ class XlaBackend:
     def run_layers(self, body, carry, layers: dict, num_layers: int):
         """carry = body(carry, p, layer_index) for each layer in order, where p
         holds that layer's weights (layers' leaves without their layer axis)
-        and layer_index is an int32 scalar (traced here)."""
+        and layer_index is an int32 scalar (traced here: a choice by layer
+        goes through select_by_layer)."""
         # A weight stored one stack per format (a GGUF that mixes block types
         # within it) cannot be sliced by the scan: it reaches the body whole,
         # with the layer index (quant/mixed_stack.py).
@@ -176,6 +217,11 @@ class XlaBackend:
         with self.precision():
             carry, _ = jax.lax.scan(step, carry, (scanned, jnp.arange(num_layers, dtype=jnp.int32)))
         return carry
+
+    def select_by_layer(self, layer_index, layers: tuple[int, ...], chosen, other):
+        """chosen() for the layers in `layers`, other() for the rest, inside
+        run_layers' body: under lax.cond on the scanned (traced) index."""
+        return jax.lax.cond(jnp.isin(layer_index, jnp.asarray(layers, jnp.int32)), chosen, other)
 
     # -- operations ----------------------------------------------------------------
     def linear(self, x, w):
@@ -213,15 +259,21 @@ class XlaBackend:
     def paged_attention(self, meta: PagedAttentionMetadata, sliding_window, decode: bool, mesh) -> AttentionFn:
         """The attention of a step over the paged pool (models/attention.py's
         interface); decode: one new token per sequence."""
-        return paged_cache_attention(meta, sliding_window, self.attention, decode, mesh)
+        return over_paged_pool(meta, self.attention_kernel(meta, sliding_window, decode, None, mesh))
 
     def verification_attention(self, meta: PagedAttentionMetadata, rows: int, sliding_window, mesh) -> AttentionFn:
         """The attention of a step with exactly `rows` query rows per sequence
         (speculative verification)."""
-        return verification_attention(meta, rows, sliding_window, self.attention, mesh)
+        return over_paged_pool(meta, self.attention_kernel(meta, sliding_window, False, rows, mesh), rows)
+
+    def attention_kernel(self, meta: PagedAttentionMetadata, sliding_window, decode: bool, rows: int | None, mesh):
+        """The implementation `attention` names, as a kernel of backends/attention.py."""
+        if self.attention == "pallas":
+            return pallas_kernel(meta, sliding_window, decode, rows, self.interpret, mesh)
+        return reference_kernel(meta, sliding_window, rows)
 
     # -- speculative decoding ---------------------------------------------------------
-    def eagle_head_layout(self, head: dict) -> dict:
+    def arrange_eagle_head(self, head: dict) -> dict:
         """An EAGLE draft head's weights (engine/spec/eagle_head.py) as this
         backend's drafting multiplies them: here as loaded."""
         return head

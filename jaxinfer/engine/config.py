@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import logging
+from dataclasses import InitVar, dataclass
 
 import jax
 import numpy as np
 
-from jaxinfer.backends import backend_class
+from jaxinfer.backends.attention import check_attention_name
+from jaxinfer.backends.xla import XlaBackend
 from jaxinfer.engine.spec.config import SpeculativeConfig
 from jaxinfer.loading.model import Model
 from jaxinfer.models import kv_cache
-from jaxinfer.models.paged_attention import check_attention_backend
 from jaxinfer.parallel.mesh import context_parallel_size
 
-CPU_KV_CACHE_BYTES = 512 * 2**20  # default pool size without a GPU to measure
-
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -24,16 +25,16 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.9
-    # None: the platform backend's defaults (backends/: every (tokens, seqs)
-    # bucket pair compiles at start-up, so CPU keeps the grid small; a GPU
-    # needs wide batches to fill it).
+    # None: the model's backend's defaults (for_backend; backends/: every
+    # (tokens, seqs) bucket pair compiles at start-up, so CPU keeps the grid
+    # small; a GPU needs wide batches to fill it).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "continuous"
-    # None: the platform backend's default ("pallas" on GPU, "xla" elsewhere;
-    # see models/paged_attention.py and backends/).
-    attention_backend: str | None = None
+    # The attention implementation (backends/attention.py): "reference",
+    # "native" (CPU) or "pallas"; None: the model's backend's default.
+    attention: str | None = None
     # "auto" (the model's dtype), "int8" or "fp8" (see models/kv_cache.py).
     kv_cache_dtype: str = "auto"
     # None, or {"method": "ngram" | "draft_model" | "eagle", "num_speculative_tokens": k, ...}
@@ -43,13 +44,13 @@ class EngineConfig:
     # before it fails (the compile runs on a worker thread, off the step path).
     structured_outputs_compile_timeout: float = 10.0
     # Schedule and launch step N + 1 while step N runs on the device
-    # (engine/engine.py); None: the platform backend's default (on with a
+    # (engine/engine.py); None: the model's backend's default (on with a
     # GPU, where the host's share of a step is largest; off on CPU, where
     # the host work would share the cores the step runs on). Not with
     # speculative decoding (a step's drafts come from the previous step's outputs).
     async_scheduling: bool | None = None
     # Serve once the largest bucket of each layout is compiled and compile the
-    # rest on a thread (engine/runner.py warmup); False compiles all first.
+    # rest on a thread (engine/compiled_programs.py, warmup); False compiles all first.
     # Always False across processes: lockstep hosts must pick the same buckets.
     background_compile: bool = True
     # LoRA (lora/): serve PEFT adapters, up to max_loras distinct ones in a
@@ -57,24 +58,28 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # The attention option's older name, accepted for one release.
+    attention_backend: InitVar[str | None] = None
 
-    def __post_init__(self):
-        platform = backend_class()
-        self.max_num_seqs = self.max_num_seqs or platform.max_num_seqs
-        self.max_num_batched_tokens = self.max_num_batched_tokens or platform.max_num_batched_tokens
-        self.attention_backend = check_attention_backend(self.attention_backend or platform.default_attention)
+    def __post_init__(self, attention_backend=None):
+        if attention_backend is not None:
+            if self.attention is not None:
+                raise ValueError("give attention or its older name attention_backend, not both")
+            self.attention = attention_backend
+        check_attention_name(self.attention)
         kv_cache.check_kv_cache_dtype(self.kv_cache_dtype)
         self.speculative = SpeculativeConfig.parse(self.speculative)
         if self.async_scheduling and self.speculative is not None:
             raise ValueError("async_scheduling does not work with speculative decoding (each step's drafts come "
                              "from the previous step's outputs); leave it unset or False")
-        if self.async_scheduling is None:
-            self.async_scheduling = platform.async_scheduling and self.speculative is None
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
+            if value is None and name.startswith("max_num"):
+                continue  # the backend's default (for_backend)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if None not in (self.max_num_seqs, self.max_num_batched_tokens) and \
+                self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
@@ -94,6 +99,15 @@ class EngineConfig:
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
 
+    def for_backend(self, backend: XlaBackend) -> EngineConfig:
+        """This config with the defaults of the model's backend filled in
+        (batch sizes, async scheduling), checked again as a whole."""
+        return dataclasses.replace(
+            self, max_num_seqs=self.max_num_seqs or backend.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or backend.max_num_batched_tokens,
+            async_scheduling=(backend.async_scheduling and self.speculative is None
+                              if self.async_scheduling is None else self.async_scheduling))
+
     @property
     def num_speculative_tokens(self) -> int:
         return self.speculative.num_speculative_tokens if self.speculative is not None else 0
@@ -110,8 +124,9 @@ def check_context_parallel(config: EngineConfig, mesh) -> None:
         raise ValueError("context_parallel_size > 1 does not support speculative decoding")
     if config.enable_lora:
         raise ValueError("context_parallel_size > 1 does not support LoRA adapters yet")
-    if config.attention_backend != "xla" and config.attention_backend is not None:
-        raise ValueError("context_parallel_size > 1 runs its own ring attention; attention_backend must be 'xla'")
+    if config.attention not in (None, "reference", "xla", "jnp"):
+        raise ValueError("context_parallel_size > 1 runs its own ring attention (plain jnp); attention must be "
+                         "'reference' or unset")
     if config.num_kv_blocks is not None and config.num_kv_blocks % cp:
         raise ValueError(f"num_kv_blocks ({config.num_kv_blocks}) must be a multiple of context_parallel_size ({cp}): "
                          "each device holds num_kv_blocks / context_parallel_size blocks")
@@ -123,6 +138,16 @@ def kv_block_bytes(model: Model, block_size: int, kv_cache_dtype: str = "auto") 
     return kv_cache.kv_block_bytes(model.config, block_size, model.dtype, kv_cache_dtype)
 
 
+def _pool_budget(model: Model, config: EngineConfig, per_block: int) -> tuple[int, str]:
+    """The KV pool's bytes on each device (the model's backend decides:
+    kv_cache_budget) and what the number is."""
+    devices = [jax.devices()[0]] if model.mesh is None else [
+        d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
+    blocks_per_request = -(-config.max_model_len // config.block_size)
+    return model.backend.kv_cache_budget(devices, config.kv_cache_memory_fraction, (blocks_per_request + 1) * per_block,
+                                         config.max_num_seqs * blocks_per_request * per_block)
+
+
 def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int = 0) -> int:
     """extra_block_bytes: memory per block of another pool with as many blocks
     (a draft model's), which shares the budget."""
@@ -131,17 +156,7 @@ def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int
     per_block = kv_block_bytes(model, config.block_size, config.kv_cache_dtype) + extra_block_bytes
     if model.mesh is not None:  # the pool is split on KV heads: each device holds 1 / N of every block
         per_block = -(-per_block // model.mesh.size)
-    devices = [jax.devices()[0]] if model.mesh is None else [
-        d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
-    stats = [d.memory_stats() if d.platform == "gpu" else None for d in devices]
-    if all(s and "bytes_limit" in s for s in stats):
-        # The fullest device of the mesh decides: every device holds a slice of every block.
-        free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
-        budget = int(free * config.kv_cache_memory_fraction)
-    else:
-        # CPU: no device memory to measure; enough for every sequence at full length, capped.
-        full = config.max_num_seqs * -(-config.max_model_len // config.block_size) * per_block
-        budget = min(full, CPU_KV_CACHE_BYTES)
+    budget, _ = _pool_budget(model, config, per_block)
     num_blocks = max(2, budget // per_block + 1)
     cp = context_parallel_size(model.mesh)
     num_blocks = max(cp, num_blocks // cp * cp)  # context parallelism: the same block count on every device
@@ -153,23 +168,19 @@ def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int
     return num_blocks
 
 
-def check_pool_holds_context(model: Model, config: EngineConfig) -> None:
-    """A max_model_len taken from the model (not given) must fit the KV pool
-    once: raise ValueError naming both numbers and the ways out, at start-up,
-    rather than serve a context no request can reach."""
+def fit_default_context(model: Model, config: EngineConfig) -> EngineConfig:
+    """A max_model_len taken from the model (not given) when the KV pool can
+    hold one request of it; else the longest context the pool holds, said in
+    one line (the pool already grows to one full request where the backend
+    has the memory: kv_cache_budget)."""
     num_blocks = choose_num_blocks(model, config)
     usable = num_blocks - 1  # block 0 is the null block
     if usable * config.block_size >= config.max_model_len:
-        return
+        return config
     per_block = kv_block_bytes(model, config.block_size, config.kv_cache_dtype)
-    budget = ("num_kv_blocks" if config.num_kv_blocks is not None else
-              f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} of free device memory"
-              if jax.default_backend() == "gpu" else f"the CPU default of {CPU_KV_CACHE_BYTES // 2**20} MiB")
-    need = -(-config.max_model_len // config.block_size) + 1
-    raise ValueError(
-        f"the model's context is {config.max_model_len} tokens (max_position_embeddings), but the KV pool "
-        f"({budget}) holds {usable} blocks of {config.block_size} tokens = {usable * config.block_size} tokens "
-        f"({per_block / 2**20:.2f} MiB a block); one request of the full context needs {need} blocks "
-        f"({need * per_block / 2**30:.2f} GiB). Pass max_model_len <= {usable * config.block_size} "
-        f"(--max-model-len), or give the pool more blocks (num_kv_blocks, kv_cache_memory_fraction, "
-        f"kv_cache_dtype='int8')")
+    budget = "num_kv_blocks" if config.num_kv_blocks is not None else _pool_budget(model, config, per_block)[1]
+    fitted = usable * config.block_size
+    log.warning("max_model_len %d, not the model's %d: the KV pool (%s) holds %d blocks of %d tokens "
+                "(%.2f MiB a block); more with num_kv_blocks, kv_cache_memory_fraction or kv_cache_dtype='int8'",
+                fitted, config.max_model_len, budget, usable, config.block_size, per_block / 2**20)
+    return dataclasses.replace(config, max_model_len=fitted)

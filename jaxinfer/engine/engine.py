@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, model: Model, config: EngineConfig, progress: bool = True):
         self.model = model
-        self.config = config
+        self.config = config = config.for_backend(model.backend)
         self.tokenizer = model.tokenizer
         spec = config.speculative
         draft = None
@@ -89,7 +89,8 @@ class LLMEngine:
         check_context_parallel(config, model.mesh)
         num_blocks = choose_num_blocks(model, config, extra)
         cache = kv_cache.allocate_kv_cache(model.config, num_blocks, config.block_size, model.dtype,
-                                           config.kv_cache_dtype, mesh=model.mesh)
+                                           config.kv_cache_dtype, mesh=model.mesh,
+                                           fp8_dtype=model.backend.kv_fp8_dtype)
         model.backend.start_engine()
         cp = context_parallel_size(model.mesh)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, cp)
@@ -114,7 +115,7 @@ class LLMEngine:
         self.scheduler.on_release = self.proposer.release
         self.runner = ModelRunner(
             model.config, model.params, cache, config.block_size, config.max_model_len, config.max_num_seqs,
-            config.max_num_batched_tokens, model.backend.with_attention(config.attention_backend),
+            config.max_num_batched_tokens, model.backend.with_attention(config.attention),
             config.num_speculative_tokens,
             with_features=self.proposer.needs_features, mesh=model.mesh, lora=self.lora,
             executable_cache=ExecutableCache.default(model.mesh),
@@ -140,21 +141,12 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------
     def validate(self, name: str, prompt_token_ids, params: SamplingParams) -> None:
         """Raise RequestError (message starting with `name`) if this request can
-        never be served: bad params type, empty or too long prompt, token ids
-        outside the vocabulary, or more KV blocks at full length than exist."""
+        never be served: bad params type, a prompt validate_prompt refuses, or
+        more KV blocks at full length than exist."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"{name}: sampling_params must be a SamplingParams")
-        if not prompt_token_ids:
-            raise RequestError(f"{name}: prompt is empty")
+        self.validate_prompt(name, prompt_token_ids)
         vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"{name}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise RequestError(
-                f"{name}: prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
-                f"within max_model_len={self.config.max_model_len}"
-            )
         longest = min(len(prompt_token_ids) + params.max_tokens, self.config.max_model_len)
         blocks = -(-longest // self.config.block_size)
         if blocks > self.block_manager.num_usable_blocks:
@@ -176,6 +168,32 @@ class LLMEngine:
                 grammar_text(params.structured_outputs)  # cheap; whether it compiles is the worker's to say
             except GrammarError as e:
                 raise RequestError(f"{name}: {e}") from None
+
+    def validate_prompt(self, name: str, prompt_token_ids) -> None:
+        """Raise RequestError if a prompt is empty, has ids outside the
+        vocabulary, or leaves no room to generate within max_model_len (a
+        server checks this before it sizes max_tokens from the prompt)."""
+        if not prompt_token_ids:
+            raise RequestError(f"{name}: prompt is empty")
+        self.check_token_ids(name, prompt_token_ids)
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise RequestError(
+                f"{name}: prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
+                f"within max_model_len={self.config.max_model_len}"
+            )
+
+    def check_token_ids(self, name: str, token_ids) -> None:
+        """Raise RequestError unless every id is an integer in [0, vocab_size)."""
+        vocab = self.model.config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"{name}: token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def validate_priority(self, name: str, priority: int) -> None:
+        """vLLM's rule: only scheduling_policy="priority" takes a priority other than 0."""
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise RequestError(f"{name}: priority {priority} needs scheduling_policy='priority' "
+                               f"(this engine runs {self.config.scheduling_policy!r})")
 
     def validate_lora(self, name: str, lora_request) -> None:
         """Raise RequestError unless this engine serves adapters and can serve
@@ -219,9 +237,7 @@ class LLMEngine:
         this request runs with, or None for the base model. priority: with
         scheduling_policy="priority", lower values are scheduled first (and
         preempted last); any other policy takes only 0 (vLLM's rule)."""
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise RequestError(f"request {request_id}: priority {priority} needs scheduling_policy='priority' "
-                               f"(this engine runs {self.config.scheduling_policy!r})")
+        self.validate_priority(f"request {request_id}", priority)
         prompt_token_ids = list(prompt_token_ids)
         if request_id in self.requests:
             raise RequestError(f"request {request_id}: id already in use")

@@ -13,13 +13,9 @@ A quantized cache is (k_pool, v_pool, k_scales, v_scales), the scales float32
 Per-token scales (rather than per-block or per-layer ones) are what lets a
 token be written once, when it is computed, without rescaling its neighbours.
 
-On CPU an fp8 pool holds its e4m3fn bit patterns as uint8: XLA's CPU backend
-has no native fp8 scatter and converts the whole pool to f16 and back around
-every write (measured: 0.2 s per write into a 700-block pool of the default
-model, about 45 s per engine step with the CPU's 512 MiB cache), while a
-uint8 scatter is in place. Readers go through `as_fp8`. GPUs scatter fp8
-natively, so there the pool is float8_e4m3fn, which the Pallas kernels take
-as is.
+An fp8 pool holds float8_e4m3fn, or its bit patterns as uint8 where the
+platform cannot scatter fp8 in place (the backend's kv_fp8_dtype says which:
+backends/cpu.py). Readers go through `as_fp8`.
 """
 
 from __future__ import annotations
@@ -43,15 +39,14 @@ def check_kv_cache_dtype(kv_cache_dtype) -> str:
     return kv_cache_dtype
 
 
-def kv_storage_dtype(dtype, kv_cache_dtype: str = "auto", platform: str | None = None) -> np.dtype:
-    """The dtype the K/V pools hold for a model of `dtype` on `platform`
-    (default: JAX's default backend)."""
+def kv_storage_dtype(dtype, kv_cache_dtype: str = "auto", fp8_dtype=jnp.float8_e4m3fn) -> np.dtype:
+    """The dtype the K/V pools hold for a model of `dtype`; fp8_dtype: what
+    an fp8 pool holds (float8_e4m3fn or uint8 bits: the backend's kv_fp8_dtype)."""
     if check_kv_cache_dtype(kv_cache_dtype) == "auto":
         return np.dtype(dtype)
     if kv_cache_dtype == "int8":
         return np.dtype(jnp.int8)
-    platform = platform or jax.default_backend()
-    return np.dtype(jnp.uint8 if platform == "cpu" else jnp.float8_e4m3fn)
+    return np.dtype(fp8_dtype)
 
 
 def as_fp8(x):
@@ -74,13 +69,14 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype, kv_cache_dtype: 
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype, kv_cache_dtype: str = "auto",
-                      mesh=None):
+                      mesh=None, fp8_dtype=jnp.float8_e4m3fn):
     """Zeroed cache pytree for all layers (see the module docstring for its two forms).
+    fp8_dtype: as in kv_storage_dtype.
     mesh: None (the default device) or a ("model",) mesh: every part is split
     on its KV-head axis (parallel/sharding.py) and each device zeroes only its shard;
     on a ("context", "model") mesh the block axis is split over "context" as well."""
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    storage = kv_storage_dtype(dtype, kv_cache_dtype)
+    storage = kv_storage_dtype(dtype, kv_cache_dtype, fp8_dtype)
 
     def zeros():
         pools = (jnp.zeros(shape, storage), jnp.zeros(shape, storage))

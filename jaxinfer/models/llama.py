@@ -32,8 +32,9 @@ A MoE whose layers mix dense and sparse MLPs (Qwen's mlp_only_layers /
 decoder_sparse_step) holds both kinds of weight for every layer, zeros
 where a layer is of the other kind, so that every layer weight stays one
 stack the layer loop can scan, and each layer runs only its own kind
-(lax.cond). Real checkpoints of these families are all sparse; the padding
-is the price of keeping one layout for the rare mixed one.
+(the backend's select_by_layer: lax.cond in a scan, a plain choice in an
+unrolled loop). Real checkpoints of these families are all sparse; the padding
+is the price of keeping one form for the rare mixed one.
 
 Any linear weight (the seven per-layer ones, the experts and lm_head) may instead be a
 QuantizedTensor (quant/tensor.py) of the same logical shape; every matmul goes
@@ -133,9 +134,7 @@ def feed_forward(p: dict, config: ModelConfig, h, layer_index, lora_slots=None, 
         return dense()
     if not c.dense_layers:
         return sparse()
-    if not isinstance(layer_index, jax.core.Tracer):  # an unrolled loop's layer (backends/gpu.py)
-        return dense() if int(layer_index) in c.dense_layers else sparse()
-    return jax.lax.cond(jnp.isin(layer_index, jnp.asarray(c.dense_layers, jnp.int32)), dense, sparse)
+    return backend.select_by_layer(layer_index, tuple(c.dense_layers), dense, sparse)
 
 
 def attention_values(p: dict, config: ModelConfig, h, positions, inv_freq, attention: AttentionFn, kv_cache,

@@ -1,8 +1,8 @@
-"""Attention over the paged KV cache: the plain-jnp reference (attention
-backends "jnp" and "xla"), the dispatch to the Pallas kernels ("pallas",
-"pallas_interpret"), and the write of a step's new K/V into the pool. A
-platform's backend (jaxinfer/backends/) may serve "xla" with its own kernel
-instead (the CPU backend: native/paged_attention.py).
+"""Attention over the paged KV cache: its metadata, the write of a step's
+new K/V into the pool, and the plain-jnp references every kernel is tested
+against. Which implementation a step runs (this reference, the Pallas
+kernels, the CPU's native kernel) is the backend's choice
+(jaxinfer/backends/attention.py).
 
 The engine flattens a step's tokens from many sequences into one row
 (prefill chunks and decode tokens together). Its cache is one pool of blocks
@@ -30,7 +30,7 @@ the loop stops at the longest context in the batch.
 
 A verification step (speculative decoding) has another layout: exactly
 R = 1 + K rows per sequence (its last token and its drafts).
-`verification_attention` serves it with `multi_query_attention_reference`,
+`multi_query_attention_reference` serves it (the backends' "reference"),
 which gathers each tile once per sequence rather than once per row; both
 references share the tile gather (`gather_tile`) and the online softmax.
 """
@@ -44,7 +44,6 @@ import jax.numpy as jnp
 
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.kv_cache import as_fp8, is_quantized, quantize_kv
-from jaxinfer.parallel.attention import shard_heads
 
 
 @jax.tree_util.register_dataclass
@@ -269,87 +268,6 @@ def write_kv(kv_cache, layer_index, k, v, slot_mapping):
     )
 
 
-ATTENTION_BACKENDS = ("xla", "jnp", "pallas", "pallas_interpret")
-
-
-def paged_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, backend: str = "xla",
-                          decode: bool = False, mesh=None) -> AttentionFn:
-    """The model-facing attention over the paged cache (batch dim 1, tokens flattened).
-
-    backend "jnp" (and "xla", which a platform's backend may serve with a
-    kernel of its own instead) is the plain-jnp tiled reference above.
-    "pallas" runs the Pallas kernels (GPU), "pallas_interpret" the same
-    kernels in interpret mode (any platform, for tests). `decode` is static:
-    the step holds exactly one new token per sequence (T == S, token i
-    belongs to sequence i), which the Pallas backend serves with the split-k
-    decode kernel; other steps (prefill chunks mixed with decode tokens) go
-    to the ragged prefill kernel. The new tokens' K/V are scattered into the
-    donated pool first, in place.
-    mesh: the ("model",) mesh of a tensor-parallel run, over which the heads
-    and the pool's KV heads are split: the Pallas kernels then run per shard
-    (parallel/attention.py); the jnp backend and the KV write are left to GSPMD.
-    """
-    check_attention_backend(backend)
-
-    def kernel(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta):
-        return _pallas_attention(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta, sliding_window, decode,
-                                 interpret=backend == "pallas_interpret")
-
-    def attend(q, k, v, kv_cache, layer_index):
-        kv_cache, pools = write_new_kv(kv_cache, layer_index, k, v, meta)
-        if backend in ("xla", "jnp"):
-            k_pool, v_pool, k_scales, v_scales = pools
-            out = paged_attention_reference(q[0], k_pool, v_pool, meta, sliding_window, layer_index=layer_index,
-                                            k_scales=k_scales, v_scales=v_scales,
-                                            new_k=stored_kv(k[0], k_pool.dtype, k_scales is not None),
-                                            new_v=stored_kv(v[0], v_pool.dtype, v_scales is not None))
-        else:
-            out = shard_heads(kernel, mesh)(q[0], *pools, layer_index, meta)
-        return out[None].astype(q.dtype), kv_cache
-
-    return attend
-
-
-def verification_attention(meta: PagedAttentionMetadata, rows: int, sliding_window=None,
-                           backend: str = "xla", mesh=None) -> AttentionFn:
-    """The model-facing attention of a verification step: `rows` = 1 + K
-    query rows per sequence, flattened sequence-major (batch dim 1). Row
-    positions are implied by context_len, as in the decode kernel, so a
-    sequence with fewer drafts pads its rows at the end (engine/inputs.py).
-    "jnp" and "xla" run multi_query_attention_reference; the Pallas backends
-    the decode kernel, which takes a few query rows per sequence in exactly
-    this layout. mesh: as in paged_cache_attention."""
-    check_attention_backend(backend)
-
-    def kernel(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta):
-        from pallas_kernels.paged_decode_attention import paged_decode_attention
-
-        return paged_decode_attention(q, as_fp8(k_pool), as_fp8(v_pool), layer_index, meta.block_tables,
-                                      meta.context_lens, k_scales=k_scales, v_scales=v_scales,
-                                      sliding_window=sliding_window, interpret=backend == "pallas_interpret")
-
-    def attend(q, k, v, kv_cache, layer_index):
-        kv_cache, pools = write_new_kv(kv_cache, layer_index, k, v, meta)
-        num_tokens, num_heads, head_dim = q.shape[1:]
-        per_seq = q[0].reshape(num_tokens // rows, rows, num_heads, head_dim)
-        if backend in ("xla", "jnp"):
-            k_pool, v_pool, k_scales, v_scales = pools
-            out = multi_query_attention_reference(per_seq, k_pool, v_pool, layer_index, meta.block_tables,
-                                                  meta.context_lens, k_scales=k_scales, v_scales=v_scales,
-                                                  sliding_window=sliding_window)
-        else:
-            out = shard_heads(kernel, mesh)(per_seq, *pools, layer_index, meta)
-        return out.reshape(1, num_tokens, num_heads, head_dim).astype(q.dtype), kv_cache
-
-    return attend
-
-
-def check_attention_backend(backend: str) -> str:
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    return backend
-
-
 def stored_kv(x, storage_dtype, quantized: bool):
     """New K or V [T, KV, D] as float32 with exactly the value the pool now
     holds for it (as gather_tile would read it back): rounded to the pool's
@@ -366,21 +284,3 @@ def write_new_kv(kv_cache, layer_index, k, v, meta: PagedAttentionMetadata):
     kv_cache = write_kv(kv_cache, layer_index, k[0], v[0], meta.slot_mapping)
     scales = kv_cache[2:] if is_quantized(kv_cache) else (None, None)
     return kv_cache, (*kv_cache[:2], *scales)
-
-
-def _pallas_attention(q, k_pool, v_pool, k_scales, v_scales, layer_index, meta, sliding_window, decode, interpret):
-    # Imported here so the xla backend never needs the kernels' Pallas imports.
-    from pallas_kernels.paged_decode_attention import paged_decode_attention
-    from pallas_kernels.paged_prefill_attention import paged_prefill_attention
-
-    # A CPU fp8 pool is uint8 bits (see models/kv_cache.py): viewing it as fp8
-    # copies it, which only the interpret mode (tests) ever does.
-    k_pool, v_pool = as_fp8(k_pool), as_fp8(v_pool)
-    if decode:
-        out = paged_decode_attention(q[:, None], k_pool, v_pool, layer_index, meta.block_tables, meta.context_lens,
-                                     k_scales=k_scales, v_scales=v_scales, sliding_window=sliding_window,
-                                     interpret=interpret)
-        return out[:, 0]
-    return paged_prefill_attention(q, k_pool, v_pool, layer_index, meta.block_tables, meta.context_lens,
-                                   meta.query_start, k_scales=k_scales, v_scales=v_scales,
-                                   sliding_window=sliding_window, interpret=interpret)

@@ -2,7 +2,7 @@
 (paged_attention.cc), built from source with the machine's C++ compiler
 the first time it is needed (native/build.py).
 
-Why native code: in jnp (models/paged_attention.py) each tile of keys is
+Why native code: in jnp (models/paged_attention.py's reference) each tile of keys is
 gathered into a new array and transposed for a batched dot; XLA:CPU runs
 those copies at ~10 GB/s and they were ~70% of a decode step's attention,
 the largest part of a batch-32 step of the default model. A prompt's rows in
@@ -39,10 +39,10 @@ def available() -> bool:
 
 
 def supports(q, k_pool) -> bool:
-    """Whether the kernel serves this call (on the CPU backend; shapes as in
-    paged_attention)."""
-    return (jax.default_backend() == "cpu" and np.dtype(k_pool.dtype) in POOL_DTYPES and k_pool.ndim == 5
-            and q.shape[-1] <= MAX_HEAD_DIM and available())
+    """Whether the kernel takes this call (shapes as in paged_attention):
+    its pool dtypes and head sizes, once built."""
+    return (np.dtype(k_pool.dtype) in POOL_DTYPES and k_pool.ndim == 5 and q.shape[-1] <= MAX_HEAD_DIM
+            and available())
 
 
 def paged_attention(q, k_pool, v_pool, layer_index, block_tables, context_lens, query_start, *, k_scales=None,

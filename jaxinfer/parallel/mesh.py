@@ -52,7 +52,7 @@ def check_parallel_sizes(tensor_parallel_size: int, data_parallel_size: int, num
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if 16 % context_parallel_size:
         # Prompt steps split their token rows evenly over the context axis, and
-        # the smallest token bucket is 16 rows (engine/runner.py).
+        # the smallest token bucket is 16 rows (engine/compiled_programs.py).
         raise ValueError(f"context_parallel_size must divide 16 (1, 2, 4, 8 or 16), got {context_parallel_size}")
     needed = tensor_parallel_size * data_parallel_size * context_parallel_size
     if needed > num_devices:

@@ -110,8 +110,8 @@ def make_lltokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
         raise GrammarError(f"structured outputs need the tokenizer's {tokenizer.vocab_size} tokens to fit the "
                            f"model's {vocab_size} logits")
     n_vocab = vocab_size
-    if hasattr(tokenizer, "backend"):  # HFTokenizer
-        return llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+    if hasattr(tokenizer, "rust_tokenizer"):  # HFTokenizer
+        return llguidance.LLTokenizer(tokenizer.rust_tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos)
     if hasattr(tokenizer, "processor"):  # SentencePieceTokenizer
         wrapper = llguidance.TokenizerWrapper(_PieceVocabulary(tokenizer))
         return llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)

@@ -12,11 +12,11 @@ import pytest
 
 from jaxinfer.models import paged_attention
 from jaxinfer.models.llama import forward
+from jaxinfer.backends import XlaBackend
 from jaxinfer.models.paged_attention import (
     PagedAttentionMetadata,
     multi_query_attention_reference,
     paged_attention_reference,
-    verification_attention,
 )
 
 
@@ -116,12 +116,12 @@ def test_padding_tokens_give_zeros_without_nan():
     assert np.isfinite(with_new).all() and (with_new[-1] == 0).all()
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("backend", ["native", "reference", "pallas"])
 def test_chunked_prefill_through_paged_cache_equals_full_forward(tmp_path, backend):
     """Two sequences fed through the paged cache in ragged chunks (both in the
     same calls, with scattered block tables, one pure-decode call among them)
     give the logits of a cache-free full-sequence forward at every position,
-    with each attention backend."""
+    with each attention implementation."""
     import jaxinfer
     from tests.tiny_models import make_hf_model, save_hf_model
 
@@ -212,9 +212,10 @@ def test_verification_attention_backends_agree():
     q = jnp.asarray(rng.standard_normal((1, 2 * rows, heads, dim)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((1, 2 * rows, kvh, dim)), jnp.float32)
     outputs = {}
-    for backend in ("xla", "pallas_interpret"):
-        out, new_cache = verification_attention(meta, rows, None, backend)(q, k, 0.5 * k, cache, 1)
+    for backend in ("reference", "pallas"):
+        attend = XlaBackend().with_attention(backend).verification_attention(meta, rows, None, None)
+        out, new_cache = attend(q, k, 0.5 * k, cache, 1)
         outputs[backend] = np.asarray(out)
-    np.testing.assert_allclose(outputs["pallas_interpret"], outputs["xla"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outputs["pallas"], outputs["reference"], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(new_cache[0])[1, tables[seq, positions // bs], positions % bs],
                                   np.asarray(k)[0])

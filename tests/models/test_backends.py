@@ -42,7 +42,7 @@ def random_params(dtype=jnp.float32) -> dict:
 
 def lowered_decode_step(backend, params, dtype=jnp.float32) -> str:
     """The engine's decode forward for NUM_SEQS sequences, lowered for CUDA."""
-    params = backend.layout(params)
+    params = backend.arrange_weights(params)
     cache = allocate_kv_cache(CONFIG, NUM_BLOCKS, BLOCK_SIZE, dtype)
     inputs = build_inputs([], [], [], [], num_tokens=NUM_SEQS, num_seqs=NUM_SEQS, layout="decode",
                           block_size=BLOCK_SIZE, max_blocks_per_seq=4)
@@ -119,7 +119,7 @@ def test_dtype_auto_is_the_checkpoints_off_cpu(tmp_path):
 
     directory = save_hf_model(make_hf_model("llama", seed=8).to(torch.bfloat16), tmp_path)
     assert jaxinfer.load(str(directory), progress=False).dtype == np.float32
-    on_gpu = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(attention="jnp"))
+    on_gpu = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(attention="reference"))
     assert on_gpu.dtype == jnp.bfloat16 and on_gpu.backend.matmul_precision is None
     assert on_gpu.params["layers"]["wq"][0].dtype == jnp.bfloat16
 
@@ -127,7 +127,7 @@ def test_dtype_auto_is_the_checkpoints_off_cpu(tmp_path):
 def test_per_layer_layout_round_trips():
     params = random_params()
     stacked = params["layers"]["w_up"]
-    laid_out = GpuBackend().layout({**params, "layers": dict(params["layers"])})
+    laid_out = GpuBackend().arrange_weights({**params, "layers": dict(params["layers"])})
     per_layer = laid_out["layers"]["w_up"]
     assert isinstance(per_layer, PerLayer) and len(per_layer) == CONFIG.num_layers
     np.testing.assert_array_equal(np.asarray(per_layer.stacked()), np.asarray(stacked))
@@ -142,7 +142,7 @@ def tiny(tmp_path_factory):
 def test_gpu_backend_model_matches_transformers(tiny):
     """The GPU layout and unrolled loop give HF's logits (cache-free forward)."""
     hf_model, directory = tiny
-    model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(attention="pallas_interpret"))
+    model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(interpret=True))
     assert all(isinstance(w, PerLayer) for w in model.params["layers"].values())
     tokens = np.random.default_rng(5).integers(0, hf_model.config.vocab_size, 40)
     assert_logits_close(model.logits(tokens), hf_logits(hf_model, tokens))
@@ -155,7 +155,7 @@ def test_gpu_backend_engine_generates_as_transformers(tiny):
     hf_model, directory = tiny
     model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend())
     engine = LLMEngine(model, EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
-                                           attention_backend="pallas_interpret", background_compile=False),
+                                           attention="pallas", background_compile=False),
                        progress=False)
     rng = np.random.default_rng(6)
     prompts = [rng.integers(0, hf_model.config.vocab_size, n).tolist() for n in (21, 5)]
@@ -185,7 +185,7 @@ def test_gpu_decode_step_multiplies_only_the_selected_experts():
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda shape: jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32),
                           param_shapes(MOE_CONFIG), is_leaf=lambda x: isinstance(x, tuple))
-    params = GpuBackend().layout(params)
+    params = GpuBackend().arrange_weights(params)
     cache = allocate_kv_cache(MOE_CONFIG, NUM_BLOCKS, BLOCK_SIZE, jnp.float32)
     inputs = build_inputs([], [], [], [], num_tokens=NUM_SEQS, num_seqs=NUM_SEQS, layout="decode",
                           block_size=BLOCK_SIZE, max_blocks_per_seq=4)
@@ -201,6 +201,6 @@ def test_gpu_backend_moe_matches_transformers(tmp_path):
     mode) give HF's logits for a MoE mixing dense and sparse layers."""
     hf_model = make_hf_model("qwen3_moe", seed=4)
     directory = save_hf_model(hf_model, tmp_path)
-    model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(attention="pallas_interpret"))
+    model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(interpret=True))
     tokens = np.random.default_rng(5).integers(0, hf_model.config.vocab_size, 7)  # 14 rows: the kernel's sizes
     assert_logits_close(model.logits(tokens), hf_logits(hf_model, tokens))

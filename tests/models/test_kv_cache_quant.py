@@ -1,6 +1,6 @@
 """KV-cache quantization (kv_cache_dtype "int8" / "fp8"): the quantize-on-write
 round trip against the quantizers' error bounds, paged attention over a
-quantized cache (xla and Pallas-interpret backends, decode and mixed steps)
+quantized cache (the jnp reference and the Pallas kernels in interpret mode, decode and mixed steps)
 against float64 numpy, and the engine with a quantized cache on the default
 model.
 
@@ -18,12 +18,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxinfer.backends import CpuBackend, GpuBackend, XlaBackend, choose_backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.kv_cache import allocate_kv_cache, as_fp8, kv_block_bytes, kv_storage_dtype, quantize_kv
 from jaxinfer.models.paged_attention import (
     PagedAttentionMetadata,
     paged_attention_reference,
-    paged_cache_attention,
     write_kv,
 )
 
@@ -46,7 +46,8 @@ E4M3_NAN_BITS = 0x7F  # S.1111.111: the NaN of float8_e4m3fn (it has no inf)
 
 def poisoned_cache(num_blocks: int, kv_cache_dtype: str, rng):
     """An allocated cache whose every slot is poisoned (see the module docstring)."""
-    cache = allocate_kv_cache(tiny_config(), num_blocks, BLOCK_SIZE, jnp.float32, kv_cache_dtype)
+    cache = allocate_kv_cache(tiny_config(), num_blocks, BLOCK_SIZE, jnp.float32, kv_cache_dtype,
+                              fp8_dtype=choose_backend().kv_fp8_dtype)
     poisoned = []
     for array in cache:
         if array.dtype == jnp.int8:
@@ -92,11 +93,12 @@ def test_write_kv_round_trip_error_bound(kv_cache_dtype):
     k[3, 1] = 0.0
     num_blocks = 12
     slots = rng.permutation(np.arange(BLOCK_SIZE, num_blocks * BLOCK_SIZE))[:num_tokens].astype(np.int32)
-    cache = allocate_kv_cache(tiny_config(), num_blocks, BLOCK_SIZE, jnp.float32, kv_cache_dtype)
+    fp8_dtype = choose_backend().kv_fp8_dtype  # as the engine allocates it here
+    cache = allocate_kv_cache(tiny_config(), num_blocks, BLOCK_SIZE, jnp.float32, kv_cache_dtype, fp8_dtype=fp8_dtype)
     cache = jax.jit(write_kv)(cache, LAYER, k, v, slots)
 
-    # fp8 is held as its bit patterns in uint8 on CPU (see models/kv_cache.py).
-    storage = {"int8": jnp.int8, "fp8": jnp.uint8 if jax.default_backend() == "cpu" else jnp.float8_e4m3fn}
+    # fp8 is held as its bit patterns in uint8 on CPU (backends/cpu.py, kv_fp8_dtype).
+    storage = {"int8": jnp.int8, "fp8": fp8_dtype}
     assert [a.dtype for a in cache] == [storage[kv_cache_dtype]] * 2 + [jnp.float32] * 2
     (k_q, v_q), (k_scale, v_scale) = read_slots(cache, slots)
     limit = {"int8": 127.0, "fp8": 448.0}[kv_cache_dtype]
@@ -126,8 +128,8 @@ def test_write_kv_round_trip_error_bound(kv_cache_dtype):
 
 def test_fp8_bits_and_fp8_pools_hold_the_same_codes():
     """The uint8 (CPU) and float8_e4m3fn (GPU) forms of an fp8 pool are the same bytes."""
-    assert kv_storage_dtype(jnp.float32, "fp8", platform="gpu") == jnp.float8_e4m3fn
-    assert kv_storage_dtype(jnp.float32, "fp8", platform="cpu") == jnp.uint8
+    assert kv_storage_dtype(jnp.float32, "fp8", GpuBackend.kv_fp8_dtype) == jnp.float8_e4m3fn
+    assert kv_storage_dtype(jnp.float32, "fp8", CpuBackend.kv_fp8_dtype) == jnp.uint8
     x = jnp.asarray(np.random.default_rng(1).standard_normal((7, NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
     as_bits, bit_scales = quantize_kv(x, jnp.uint8)
     as_float8, float8_scales = quantize_kv(x, jnp.float8_e4m3fn)
@@ -247,12 +249,12 @@ def run_step(backend, step, kv_cache_dtype, seed):
     q, meta, num_blocks, (slots, k_cached, v_cached), (k_new, v_new), dense_k, dense_v = case
     cache = poisoned_cache(num_blocks, kv_cache_dtype, np.random.default_rng(seed + 100))
     cache = jax.jit(write_kv)(cache, LAYER, k_cached, v_cached, slots)
-    attend = paged_cache_attention(meta, backend=backend, decode=step == "decode")
+    attend = XlaBackend().with_attention(backend).paged_attention(meta, None, step == "decode", None)
     out, cache = jax.jit(attend)(q[None], k_new[None], v_new[None], cache, jnp.int32(LAYER))
     return np.asarray(out[0], np.float64), cache, q, meta, dense_k, dense_v
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
 @pytest.mark.parametrize("step", ["decode", "mixed"])
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_attention_over_quantized_cache(kv_cache_dtype, step, backend):
@@ -270,7 +272,7 @@ def test_attention_over_quantized_cache(kv_cache_dtype, step, backend):
         held_k.append(k_q * k_scale[..., None])
         held_v.append(v_q * v_scale[..., None])
     np.testing.assert_allclose(out, float64_attention(q, meta, held_k, held_v), atol=5e-5, rtol=1e-4)
-    if kv_cache_dtype == "fp8" and backend == "xla":
+    if kv_cache_dtype == "fp8" and backend == "reference":
         # The GPU form of the pool (float8_e4m3fn rather than uint8 bits) reads the same.
         gpu_pools = [as_fp8(pool) for pool in cache[:2]]
         # As the engine calls it: the step's own rows' K/V (what the pool now holds) handed in.
@@ -314,15 +316,15 @@ def test_unknown_kv_cache_dtype_is_rejected():
 
 
 def test_quantized_cache_holds_more_blocks_in_the_same_budget(default_llm):
-    from jaxinfer.engine.config import CPU_KV_CACHE_BYTES, EngineConfig, choose_num_blocks, kv_block_bytes
+    from jaxinfer.engine.config import EngineConfig, choose_num_blocks, kv_block_bytes
 
     model = default_llm.model
     blocks = {}
     for kv_cache_dtype in ("auto", "int8", "fp8"):
-        config = EngineConfig(kv_cache_dtype=kv_cache_dtype, **ENGINE_OPTIONS)
+        config = EngineConfig(kv_cache_dtype=kv_cache_dtype, **ENGINE_OPTIONS).for_backend(model.backend)
         per_block = kv_block_bytes(model, config.block_size, kv_cache_dtype)
         blocks[kv_cache_dtype] = choose_num_blocks(model, config)
-        assert blocks[kv_cache_dtype] == CPU_KV_CACHE_BYTES // per_block + 1
+        assert blocks[kv_cache_dtype] == model.backend.host_kv_cache_bytes // per_block + 1
     c = model.config
     # float32 model: 4 bytes per element against 1 byte plus a 4-byte scale per head_dim elements.
     ratio = (4 * c.head_dim) / (c.head_dim + 4)

@@ -1,4 +1,4 @@
-"""Defaults a served model brings (issue 34): the sampling values of its
+"""Defaults a served model brings: the sampling values of its
 generation_config.json apply where a request sets none (vLLM's rule), and
 max_model_len defaults to the model's whole context, failing at start-up,
 with the numbers, when the KV pool cannot hold one such request.
@@ -51,8 +51,12 @@ def test_generation_config_sampling_defaults(model_dir):
         assert any(text != greedy for text in free)
 
 
-def test_max_model_len_defaults_to_the_models_context(model_dir):
+def test_max_model_len_defaults_to_the_models_context(model_dir, caplog):
     llm = LLM(str(model_dir), progress=False, max_num_seqs=2, max_num_batched_tokens=32)
     assert llm.max_model_len == 512  # tests/tiny_models.py: max_position_embeddings
-    with pytest.raises(ValueError, match=r"context is 512 tokens.*holds 7 blocks of 16 tokens = 112 tokens"):
-        LLM(str(model_dir), progress=False, num_kv_blocks=8, max_num_seqs=2, max_num_batched_tokens=32)
+    # A pool too small for the model's context: the longest it holds, said in one line.
+    with caplog.at_level("WARNING", logger="jaxinfer.engine.config"):
+        small = LLM(str(model_dir), progress=False, num_kv_blocks=8, max_num_seqs=2, max_num_batched_tokens=32)
+    assert small.max_model_len == 7 * 16  # 8 blocks, the null block not counted
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxinfer.engine.config"]
+    assert len(lines) == 1 and "max_model_len 112, not the model's 512" in lines[0] and "num_kv_blocks" in lines[0]

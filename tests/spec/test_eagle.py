@@ -70,7 +70,7 @@ def test_not_a_head_is_refused(tmp_path, eagle_llm):
 
 def test_int8_drafting_head_drafts_as_the_float_head(eagle_llm):
     """Drafting multiplies the head as int8 through the native CPU kernel
-    (the CPU backend's eagle_head_layout): its drafts must be the float head's almost everywhere
+    (the CPU backend's arrange_eagle_head): its drafts must be the float head's almost everywhere
     (rounding may flip a near tie), from the target's own features."""
     import jax.numpy as jnp
 
@@ -80,7 +80,7 @@ def test_int8_drafting_head_drafts_as_the_float_head(eagle_llm):
 
     model, proposer = eagle_llm.model, eagle_llm.engine.proposer
     float_head, window = load_head(DEFAULT_HEAD, model.config, model.dtype)
-    assert model.backend.eagle_head_layout(float_head).keys() == proposer.head.keys()
+    assert model.backend.arrange_eagle_head(float_head).keys() == proposer.head.keys()
     ids = np.asarray(eagle_llm.tokenizer.encode(" ".join(PROMPTS) * 6), np.int32)
     positions = jnp.arange(len(ids), dtype=jnp.int32)[None]
     features = np.asarray(forward(model.params, model.config, jnp.asarray(ids)[None], positions,

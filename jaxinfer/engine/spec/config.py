@@ -37,7 +37,7 @@ _KEYS = {
 }
 # The largest batch at which each method came out ahead (or, for those that
 # never did, closest) on the 2-core CPU VM (scripts/bench_speculative.py,
-# BENCHMARKS.md, issue 17): every method lost to plain decoding at batch 8
+# BENCHMARKS.md, "Speculative decoding"): every method lost to plain decoding at batch 8
 # and 32, so drafting is on only while a single sequence decodes. On a GPU,
 # where verification rows are nearly free, pass a larger value or None.
 DISABLE_BY_BATCH_SIZE = {"ngram": 1, "draft_model": 1, "eagle": 1}

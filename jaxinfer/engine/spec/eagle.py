@@ -101,7 +101,7 @@ class EagleProposer(Proposer):
         self.target = target
         self.config = target.config
         self.head, self.window = load_head(spec.model or DEFAULT_HEAD, target.config, target.dtype)
-        self.head = target.backend.eagle_head_layout(self.head)
+        self.head = target.backend.arrange_eagle_head(self.head)
         self.device_time = 0.0
         self.buckets = powers_of_two(1, engine_config.max_num_seqs)  # the runner's decode buckets
         self._features: dict[int, tuple[int, np.ndarray]] = {}  # seq_id -> (end position, [<= window, hidden])

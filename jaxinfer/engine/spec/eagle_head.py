@@ -94,7 +94,7 @@ def head_features(head: dict, target_params: dict, config: ModelConfig, tokens, 
     """Run the head over entries (tokens [B, T], features [B, T, hidden] =
     f_{p-1}, positions [B, T] = p) with the given attention (models/attention
     interface); returns (predicted features f^_p [B, T, hidden], kv_cache).
-    backend: the target's (backends/), whose eagle_head_layout laid the head out."""
+    backend: the target's (backends/), whose arrange_eagle_head laid the head out."""
     with backend.precision():
         x = embed_tokens(target_params, tokens)
         x = backend.linear(jnp.concatenate([x, features.astype(x.dtype)], axis=-1), _in_dtype(head["fc"], x.dtype))
@@ -105,7 +105,7 @@ def head_features(head: dict, target_params: dict, config: ModelConfig, tokens, 
 
 def _in_dtype(w, dtype):
     """A float array cast to the activations' dtype; a weight the backend laid
-    out in another form (eagle_head_layout) as it is, for it to multiply."""
+    out in another form (arrange_eagle_head) as it is, for it to multiply."""
     return w.astype(dtype) if isinstance(w, (jax.Array, np.ndarray)) else w
 
 
