@@ -187,7 +187,7 @@ def _groups(w, group_size: int):
 def _round_int4(w, group_size: int):
     """dequantize(quantize_int4(w, group_size)) without packing the nibbles:
     the same float32 operations, so the same values, at a fraction of the
-    cost inside the search loop (tests/test_awq.py checks the equality)."""
+    cost inside the search loop (tests/quant/test_awq.py checks the equality)."""
     g = _groups(w, group_size)
     low, high = jnp.min(g, axis=-2, keepdims=True), jnp.max(g, axis=-2, keepdims=True)
     scales = (high - low) / 15.0

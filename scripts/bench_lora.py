@@ -1,4 +1,4 @@
-"""What LoRA costs a decode step (issue 16), on the embedded default model.
+"""What LoRA costs a decode step, on the embedded default model.
 
 Writes four random rank-16 PEFT adapters of every target (q k v o gate up
 down) into a temp dir, builds the default model twice (without LoRA, and

@@ -1,5 +1,5 @@
-"""Time to first token of a normal request while an abusive one is in flight
-(issue 34's Measure), against a running `jaxinfer serve` (any version).
+"""Time to first token of a normal request while an abusive one is in flight,
+against a running `jaxinfer serve` (any version).
 
     python scripts/bench_serve_isolation.py --url http://127.0.0.1:8000 [--repeats 3] [--json PATH]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14's serving measurements: `jaxinfer bench serve` against `jaxinfer serve`
+# Serving measurements: `jaxinfer bench serve` against `jaxinfer serve`
 # (default model) at request rates 1, 4, 16, inf and concurrencies 1, 8, 32, then
 # offline `jaxinfer bench throughput` on the same prompts (same generator, seed
 # and vocabulary size) bracketed by two rate-inf serve runs on fresh servers

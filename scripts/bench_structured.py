@@ -1,4 +1,4 @@
-"""Structured outputs' cost (issue 15), default model:
+"""Structured outputs' cost, default model:
 
 1. decode step time with every row constrained by a JSON schema vs none, at
    batch 1 / 8 / 32, interleaved (each round runs every batch size both ways)

@@ -14,8 +14,8 @@
 #   before    the same latencies on the plain XLA backend (a scan over stacked weights: the GPU path
 #             before the backend seam), for a before/after in one run
 # Results: $OUT/summary.txt, and the logs and JSON beside it.
-# Packages the GPU image lacks (gguf, llguidance) are installed from WHEELS (default .gpu/whl, staged by
-# ../shared/tools/gpu/prepare.sh) into a temporary directory; nothing else is installed.
+# Packages the GPU image lacks (gguf, llguidance) are installed from WHEELS (default .gpu/whl: wheels staged
+# there beforehand, since the GPU machine has no network) into a temporary directory; nothing else is installed.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD

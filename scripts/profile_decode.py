@@ -1,4 +1,4 @@
-"""Where the milliseconds of one decode step go (issue: decode speed on CPU).
+"""Where the milliseconds of one decode step go, on CPU.
 
 Runs real decode steps of the engine at a batch size and context length,
 then times each part of the step on its own as a jitted program over the

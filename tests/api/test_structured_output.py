@@ -1,4 +1,4 @@
-"""Structured outputs (issue 15) end to end on the embedded SmolLM2, each
+"""Structured outputs end to end on the embedded SmolLM2, each
 checked against an independent reference: the `jsonschema` library, Python's
 `re.fullmatch` and `ast`, llguidance's own numpy bitmask application, and
 the same prompt run without constraints.

@@ -1,4 +1,4 @@
-"""Context parallelism: ring attention over a KV pool split across devices (issue 18).
+"""Context parallelism: ring attention over a KV pool split across devices.
 
 The multi-device checks (tests/ring_checks.py) run in one subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8, set before JAX starts;

@@ -1,4 +1,4 @@
-"""Tensor and data parallelism (issue 7).
+"""Tensor and data parallelism.
 
 The multi-device checks run in subprocesses (tests/parallel_checks.py) with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (4 for DP 2 x TP 2):
