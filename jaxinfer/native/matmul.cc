@@ -217,7 +217,7 @@ void BytesToFloats(__m512i bytes, float* out) {
 // 16 int8 codes in memory as 16 floats. Widening straight from memory: taking
 // them out of a 64-byte register first (vextracti32x4) was a second
 // cross-lane shuffle per 16 codes, and the one-row matvec of the Q8_0 head's
-// shape ran 1.25x slower from L2 (BENCHMARKS.md, stop 28).
+// shape ran 1.25x slower from L2 (BENCHMARKS.md, "Why the CPU path is built this way").
 inline __m512 Int8Floats(const uint8_t* codes) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
 }
@@ -229,7 +229,7 @@ inline __m512 Int8Floats(const uint8_t* codes) {
 // which reads only those, looks its float up in a 16-entry table: a shift and
 // an in-register permute per 16 codes, where widening bytes in column order
 // took a mask, an extract, a vpmovzxbd and a vcvtdq2ps. A one-row matvec of
-// 576 x 3072 from L2 on the dev VM: 78 -> 51 us (BENCHMARKS.md, stop 28).
+// 576 x 3072 from L2: 78 -> 51 us (BENCHMARKS.md, "Why the CPU path is built this way").
 template <int kShift>
 inline __m512 NibbleFloats(__m512i line) {
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -268,10 +268,9 @@ void GroupCodes(const Problem& p, int64_t g, int64_t col, float* w) {
 // Asks for group g's code rows of the 64 columns at col, while the rows of
 // the group before are multiplied (ManyRowsTask). Always inlined: outlined,
 // g++ 12 judged it free of side effects (a prefetch counts as none) and
-// dropped every call, which it had done unnoticed since an earlier change
-// of this file. Restored (stop 31; the default model's projections x 30
-// layers and its head, medians of 40 alternated calls): 32 rows 53.5 -> 51.4
-// ms, 64 rows 101.0 -> 98.4. The few-row path does without it: there it cost
+// dropped every call. With it, the default model's projections x 30 layers
+// and its head (medians of 40 alternated calls): 32 rows 53.5 -> 51.4 ms,
+// 64 rows 101.0 -> 98.4. The few-row path does without it: there it cost
 // 12% at one row and 8% at two, and gained 2-4% at eight (the hardware
 // prefetcher follows a task's contiguous tile).
 __attribute__((always_inline)) inline void PrefetchGroup(const Problem& p, int64_t g, int64_t col) {
@@ -288,7 +287,7 @@ __attribute__((always_inline)) inline void PrefetchGroup(const Problem& p, int64
 // stack and loaded it back at every group, and the default model's
 // projections at 32 rows (one thread, /tmp harness) ran at 87 GFLOP/s against
 // 95 unrolled; the tiles of 5 rows (a 35-row task) were still called out of
-// line, 92 -> 94 GFLOP/s inlined (BENCHMARKS.md, stop 29).
+// line, 92 -> 94 GFLOP/s inlined (BENCHMARKS.md, "Why the CPU path is built this way").
 template <int kRows, int kVectors>
 __attribute__((always_inline)) inline void FoldGroup(const Problem& p, const __m512 (&acc)[kRows][kVectors],
                                                      int64_t g, int64_t col, int64_t row0, const float* x_sums,
@@ -432,7 +431,7 @@ void FewRowsTask(const Problem& p, int64_t col, int64_t g_begin, int64_t g_end, 
       // Row tiles of 5, 4, 3, 2 and 1, as few as the rows allow (6 = 3 + 3,
       // 7 = 4 + 3, 8 = 4 + 4): each tile turns the codes into floats again,
       // so 3 rows as 2 + 1 cost more than 4 rows, and 5 (a verification of
-      // 4 drafts) as 4 + 1 a sixth more than as 5 (BENCHMARKS.md, stop 27).
+      // 4 drafts) as 4 + 1 a sixth more than as 5 (BENCHMARKS.md, "EAGLE drafting head").
       for (int64_t row = 0; row < p.rows;) {
         const int64_t left = p.rows - row;
         if (left == 5) {

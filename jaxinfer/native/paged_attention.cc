@@ -129,10 +129,10 @@ struct Problem {
 // partial, below) and MergeChunks adds a row's chunks up in order. So the
 // chunks of one long context can be tasks of their own, spread over the
 // cores, and a row's output is the same arithmetic whichever tasks computed
-// its chunks: it never depends on the batch around it. Before (stop 31),
-// decode at one sequence had one task per KV head, each reading its head's
-// rows of every block, strided: 30 layers over 1,024 / 4,096 tokens took 3.6
-// / 14.0 ms (13 GB/s, /tmp harness), in chunks 1.9 / 7.9 ms.
+// its chunks: it never depends on the batch around it. One task per KV
+// head instead, each reading its head's rows of every block, strided, took
+// 30 layers over 1,024 / 4,096 tokens 3.6 / 14.0 ms (13 GB/s) at one
+// sequence, against 1.9 / 7.9 ms in chunks.
 constexpr int64_t kChunkBlocks = 16;
 
 // One row's attention over one chunk: the maximum and the sum of
@@ -214,7 +214,7 @@ constexpr int64_t kPrefetchBlocks = 1;
 // into L2, two ahead, with the values' block while the keys are scored took
 // the default model's attention at batch 32 (one thread, 30 layers, 140
 // tokens of context in scattered blocks, /tmp harness) from 33.7 to 19.7 ms
-// (BENCHMARKS.md, stop 29). Since stop 31 the blocks are asked for in parts,
+// (BENCHMARKS.md, "CPU: the native paged-attention kernel"). The blocks are asked for in parts,
 // one per KV head of the block's work (Part): all 384 lines of both blocks at
 // once held the core until the memory system had taken them. Spread between
 // the heads' computations, one block ahead instead of two, decode attention

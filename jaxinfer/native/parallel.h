@@ -77,8 +77,8 @@ inline std::vector<int64_t> LongestFirstOrder(int64_t num_tasks, int64_t max_wor
 // run of memory: tasks dealt out one by one from a shared counter went to the
 // two cores alternately, and a core that reads every other 18 KB block
 // streamed at 24-26 GB/s where one reading contiguous halves streamed at
-// 33-49 (the dev VM, /tmp microbenchmark of the default model's 64-column
-// tiles, BENCHMARKS.md, stop 30). A late helper's share is taken from its end
+// 33-49 (a microbenchmark of the default model's 64-column tiles,
+// BENCHMARKS.md, "Why the CPU path is built this way"). A late helper's share is taken from its end
 // by the workers already running, so no call waits for a helper to wake.
 //
 // One helper fewer than the pool has threads: the calls are short (tens of
