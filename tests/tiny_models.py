@@ -117,7 +117,9 @@ def hf_greedy(model, token_ids, max_new_tokens: int) -> list[int]:
             torch.tensor([list(token_ids)]),
             attention_mask=torch.ones(1, len(token_ids), dtype=torch.long),
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
+            # No EOS: the engine's ignore_eos keeps EOS a token like any other;
+            # min_new_tokens would instead mask it out where it is the argmax.
+            eos_token_id=None,
             do_sample=False,
             pad_token_id=0,
         )

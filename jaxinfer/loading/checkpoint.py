@@ -2,7 +2,9 @@
 (orbax) checkpoint directory) and open it.
 
 Returns the config, a lazy tensor source and the tokenizer; reading the
-weights happens later in loading/params.py.
+weights happens later in loading/params.py. A HF directory whose config.json
+has a `quantization_config` gives its quantized weights through
+loading/prequantized/.
 """
 
 from __future__ import annotations
@@ -69,11 +71,14 @@ def open_checkpoint(model: str | Path | None):
         if len(ggufs) == 1:
             return open_checkpoint(ggufs[0])
         raise CheckpointError(f"{path} has no config.json (expected a HF model directory or a .gguf file)")
+    from jaxinfer.loading.prequantized.source import open_prequantized
     from jaxinfer.loading.safetensors import SafetensorsCheckpoint
 
     config = ModelConfig.from_hf_file(path / "config.json")
-    source = SafetensorsCheckpoint(path)
-    if config.num_experts:
+    # A quantization_config's reader, so that no caller reads integer codes
+    # as float weights; it refuses what it cannot read before anything is read.
+    source = open_prequantized(SafetensorsCheckpoint(path), config, path)
+    if config.num_experts:  # open_prequantized refuses quantized MoE checkpoints
         from jaxinfer.loading.experts import ExpertTensors
 
         source = ExpertTensors(source, config.num_experts)

@@ -14,7 +14,7 @@ from jaxinfer.backends import XlaBackend, choose_backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.loading.checkpoint import open_checkpoint
 from jaxinfer.loading.orbax import OrbaxCheckpoint
-from jaxinfer.loading.params import GGUF_QUANTIZATIONS, QUANTIZATIONS, build_params, resolve_dtype
+from jaxinfer.loading.params import GGUF_QUANTIZATIONS, QUANTIZATIONS, STORED, build_params, resolve_dtype
 from jaxinfer.models.attention import full_sequence_attention
 from jaxinfer.models.llama import forward
 from jaxinfer.parallel.mesh import tensor_parallel_size
@@ -106,9 +106,15 @@ def choose_quantization(quantization: str | None, source, backend: XlaBackend) -
     summation orders) gives its positions logits up to 4.6e-5 apart under
     "gguf" and up to 1.1 apart under "gguf-a8", so a prefix-cache hit or a
     different batch can change a greedy decode at a near tie, which the
-    exact default never does (BENCHMARKS.md)."""
+    exact default never does (BENCHMARKS.md).
+
+    A quantized HF checkpoint (GPTQ, AWQ, compressed-tensors, fp8) keeps
+    its own weights ("stored") on every platform: they are the model as
+    published, and a float copy would be 4-8x the bytes."""
     if quantization != "auto":
         return quantization
+    if getattr(source, "prequantized", False):
+        return STORED
     return backend.auto_quantization(source)
 
 
@@ -134,7 +140,10 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
     (int8 per channel for the linear weights and the head, a tied model's
     lookup reading the head; activations quantized to int8 per row on the fly,
     quant/linear.py: the fastest scheme on CPU, opt-in because it changes the
-    numbers, see BENCHMARKS.md for its perplexity).
+    numbers, see BENCHMARKS.md for its perplexity), or "stored" (a quantized
+    HF checkpoint's own GPTQ / AWQ / compressed-tensors / fp8 weights in the
+    forms of quant/tensor.py, loading/prequantized/: what "auto" loads there;
+    None loads them dequantized to float).
 
     mesh: None (one device), or a ("model",) mesh (parallel/mesh.py): every
     weight is loaded or restored straight into its shards (parallel/sharding.py).
@@ -142,7 +151,7 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
     backend: the platform backend (backends/; default choose_backend(mesh)),
     bound to the dtype (with_dtype). It decides what "auto" loads and which
     head forms a GGUF load keeps, and lays the loaded params out for itself
-    (backend.layout: e.g. tiled for the CPU kernels, one array per layer on
+    (backend.arrange_weights: e.g. tiled for the CPU kernels, one array per layer on
     a GPU). Tools that need the stacked layout whatever the platform
     (checkpoint conversion, calibration) pass XlaBackend()."""
     if quantization not in (None, "auto", *QUANTIZATIONS):
@@ -163,8 +172,9 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
         # Checks the sizes divide before anything is read.
         run_config = sharded_config(config, tensor_parallel_size(mesh))
     if isinstance(source, OrbaxCheckpoint):  # a jaxinfer checkpoint: restored by orbax onto the device(s)
-        if quantization in GGUF_QUANTIZATIONS:
-            raise ValueError(f'quantization="{quantization}" needs a GGUF checkpoint; {description} is not one')
+        if quantization in (*GGUF_QUANTIZATIONS, STORED):
+            raise ValueError(f'quantization="{quantization}" needs a {"GGUF" if quantization != STORED else "quantized HF"} '
+                             f'checkpoint; {description} is not one')
         sharding = None if mesh is None else _orbax_shardings(source, config, mesh)
         params = source.restore(np_dtype, sharding=sharding, progress=progress)
         if mesh is not None:
@@ -180,7 +190,7 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
     else:
         params = build_params(config, source, np_dtype, progress=progress, quantization=quantization, mesh=mesh,
                               backend=backend)
-    params = backend.layout(params)
+    params = backend.arrange_weights(params)
     jax.block_until_ready(params)
     return Model(run_config, params, tokenizer, np_dtype, description, time.perf_counter() - start, mesh,
                  quantization, config, backend)

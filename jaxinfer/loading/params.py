@@ -60,7 +60,11 @@ log = logging.getLogger(__name__)
 # quantized weight multiplies activations quantized to int8 blocks
 # (quant/tensor.py, activation_block): how llama.cpp runs a GGUF.
 GGUF_QUANTIZATIONS = ("gguf", "gguf-a8")
-QUANTIZATIONS = (*GGUF_QUANTIZATIONS, *SCHEMES)
+# "stored": a quantized HF checkpoint's own weights (GPTQ, AWQ, compressed-
+# tensors, fp8: loading/prequantized/), each linear in the form it maps onto,
+# the head too where the file quantizes it; sources offering `get_stored`.
+STORED = "stored"
+QUANTIZATIONS = (*GGUF_QUANTIZATIONS, STORED, *SCHEMES)
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -74,6 +78,8 @@ class TensorSource(Protocol):
 
     # Optional (GGUF): get_quantized(name) -> QuantizedTensor [in, out] with
     # numpy leaves, or None where the stored type has no direct quantized form.
+    # Optional (quantized HF checkpoints): get_stored(name), the same, None
+    # where the weight is stored float.
 
 
 # Our per-layer parameter -> (HF tensor name inside model.layers.{i}., transpose?)
@@ -245,7 +251,10 @@ def _read_direct(source: TensorSource, name: str, expected_shape: tuple, placeme
     or None; k_quants: K-quant blocks as stored (KQuantTensor; one device only)."""
     if name not in source.names():
         raise CheckpointError(f"{source.description} lacks tensor {name}")
-    q = source.get_quantized(name, k_quants_as_stored=True) if k_quants else source.get_quantized(name)
+    if hasattr(source, "get_stored"):
+        q = source.get_stored(name)
+    else:
+        q = source.get_quantized(name, k_quants_as_stored=True) if k_quants else source.get_quantized(name)
     if q is None:
         return None
     _check_shape(source, name, q.shape, True, expected_shape)
@@ -259,7 +268,7 @@ def _read_quantized(source, name: str, expected_shape: tuple, quantization: str,
     """A linear weight [in, out] quantized per `quantization` (None from "gguf"
     when the stored type has no direct form). RTN starts from float32, not
     from the requested dtype, so bfloat16 loads do not round twice."""
-    if quantization in GGUF_QUANTIZATIONS:
+    if quantization in GGUF_QUANTIZATIONS or quantization == STORED:
         return _read_direct(source, name, expected_shape, placement, path, layer=True, k_quants=k_quants)
     w = _read(source, name, True, expected_shape, np.float32, placement, path, layer=True)
     if placement is None:
@@ -311,13 +320,15 @@ def build_params(
     mesh: None (the default device) or a ("model",) mesh to shard over
     (parallel/sharding.py); the params then fit sharded_config(config, mesh.size).
     backend: which head forms a GGUF load keeps (default: the reference's);
-    the params come out stacked, for backend.layout to lay out."""
+    the params come out stacked, for backend.arrange_weights to arrange."""
     backend = backend or XlaBackend()
     dtype = resolve_dtype(dtype)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization in GGUF_QUANTIZATIONS and not hasattr(source, "get_quantized"):
         raise ValueError(f'quantization="{quantization}" needs a GGUF checkpoint; {source.description} is not one')
+    if quantization == STORED and not hasattr(source, "get_stored"):
+        raise ValueError(f'quantization="{STORED}" needs a quantized HF checkpoint; {source.description} is not one')
     placement = None if mesh is None else _Placement(config, mesh)
     # K-quant blocks as stored, and mixed block types one stack per type,
     # where the backend multiplies them so (on one device: the stacks are
@@ -337,7 +348,7 @@ def build_params(
         # head to float whole on every step, see quant/params.py's
         # HEAD_SCHEMES, and the float head is the faster one). "gguf-a8"'s
         # kernel multiplies it as stored.
-        keep_head = key == "lm_head" and (quantization == "gguf-a8" or (
+        keep_head = key == "lm_head" and (quantization in ("gguf-a8", STORED) or (
             quantization == "gguf" and backend.keeps_gguf_head_quantized()))
         head = _read_direct(source, name, shape, placement, key, k_quants=k_quants) if keep_head else None
         # A head quantized below is read in float32, so it is rounded once.
@@ -362,7 +373,7 @@ def build_params(
                 bar.update(config.num_layers)
                 del per_layer
                 continue
-            if len(kinds) > 1 and None not in kinds and placement is None:
+            if len(kinds) > 1 and None not in kinds and placement is None and quantization != STORED:
                 # Layers in different block types (a Q4_K_M file stores some
                 # layers' ffn_down and attn_v as Q6_K, the others as Q4_K): one
                 # stacked form that holds each exactly, int8 codes in groups small
@@ -374,7 +385,7 @@ def build_params(
                 # Some layer's type has no direct form (or, on a mesh, the layers
                 # mix types): this weight goes float for all layers.
                 if kinds != {None}:
-                    log.warning("%s: layers mix GGUF types; loading %s dequantized", source.description, key)
+                    log.warning("%s: layers mix quantized forms; loading %s dequantized", source.description, key)
                 per_layer = None
         if per_layer is None:
             per_layer = [_read(source, name, transpose, shape[1:], dtype, placement, f"layers/{key}", layer=True)

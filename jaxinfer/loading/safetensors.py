@@ -4,7 +4,8 @@ The `safetensors` package's numpy backend cannot return bfloat16 tensors
 (numpy has no such dtype), and most checkpoints are bfloat16. The format is a
 little-endian u64 header length, a JSON header mapping each tensor name to
 {dtype, shape, data_offsets}, then the raw bytes; so we parse the header and
-memory-map each tensor with numpy, using ml_dtypes for bfloat16. Nothing is
+memory-map each tensor with numpy, using ml_dtypes for bfloat16 and
+float8_e4m3fn. Nothing is
 read from disk until a tensor is asked for, and then only that tensor.
 """
 
@@ -24,6 +25,9 @@ _DTYPES = {
     "F32": np.float32,
     "F16": np.float16,
     "BF16": ml_dtypes.bfloat16,
+    # fp8 weights come with their scales in other tensors: only a quantized
+    # checkpoint's reader (loading/prequantized/) makes numbers of them.
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
     "I64": np.int64,
     "I32": np.int32,
     "I16": np.int16,
@@ -31,6 +35,7 @@ _DTYPES = {
     "U8": np.uint8,
     "BOOL": np.bool_,
 }
+_COMPUTE_DTYPES = ("F64", "F32", "F16", "BF16")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -100,8 +105,9 @@ class SafetensorsCheckpoint:
     @property
     def stored_dtype(self) -> np.dtype | None:
         """The dtype the float weights are stored in (the embedding table's),
-        which dtype="auto" loads them as where the platform allows."""
+        which dtype="auto" loads them as where the platform allows; None
+        where that is no float type to compute in (fp8, integers)."""
         name = "model.embed_tokens.weight"
         file = self._file_of.get(name)
-        dtype = file and _DTYPES.get(file.header[name]["dtype"])
-        return None if dtype is None else np.dtype(dtype)
+        stored = file and file.header[name]["dtype"]
+        return np.dtype(_DTYPES[stored]) if stored in _COMPUTE_DTYPES else None

@@ -1,0 +1,309 @@
+"""Quantized HF checkpoints (GPTQ, AWQ, compressed-tensors, fp8) load in
+their stored forms (loading/prequantized/) and give the logits and greedy
+tokens of the float model holding each format's dequantized weights.
+
+GPTQ, AWQ and fp8 checkpoints are written here from a tiny HF model by the
+formats' published packing rules (gptqmodel and autoawq do not install on a
+CPU-only torch); the reference weights are the formats' dequantization
+formulas in float64 numpy, loaded into HF transformers. compressed-tensors
+checkpoints are written by the compressed-tensors library, and HF
+transformers loads the same directory as the reference."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+import jaxinfer
+from jaxinfer.errors import UnsupportedModelError
+from jaxinfer.loading.checkpoint import open_checkpoint
+from jaxinfer.quant.tensor import QuantizedTensor
+from tests.tiny_models import hf_greedy, hf_logits, make_hf_model, save_hf_model
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+PROMPTS = [[5, 17, 99, 3, 64, 2, 11, 40], [120, 7, 7, 81, 33, 1]]
+NEW_TOKENS = 5
+
+
+def linear_names(hf):
+    return [f"model.layers.{i}.{m}" for i in range(hf.config.num_hidden_layers) for m in LINEARS]
+
+
+def pack_int32(codes, bits, axis):
+    """uint codes -> int32 words along `axis`, low bits first (GPTQ's and compressed-tensors' packing)."""
+    codes = np.moveaxis(codes.astype(np.uint32), axis, -1)
+    per = 32 // bits
+    words = codes.reshape(*codes.shape[:-1], -1, per) << (np.arange(per, dtype=np.uint32) * bits)
+    return np.moveaxis(np.bitwise_or.reduce(words, axis=-1), -1, axis).view(np.int32)
+
+
+def rtn(w, bits, group_size, sym):
+    """w [in, out] -> codes [in, out], zeros [groups, out] (int), scales [groups, out] float16: round to nearest."""
+    g = w.reshape(-1, group_size, w.shape[1])
+    top = (1 << bits) - 1
+    if sym:
+        scales = (np.abs(g).max(1) / ((top + 1) // 2 - 0.5)).astype(np.float16)
+        zeros = np.full(scales.shape, (top + 1) // 2)
+    else:
+        low, high = g.min(1), g.max(1)
+        scales = ((high - low) / top).astype(np.float16)
+        zeros = np.clip(np.round(-low / scales.astype(np.float64)), 0, top).astype(np.int64)
+    s = np.repeat(scales.astype(np.float64), group_size, 0)
+    z = np.repeat(zeros, group_size, 0)
+    codes = np.clip(np.round(w / s) + z, 0, top).astype(np.int64)
+    return codes, zeros, scales
+
+
+def write(hf, directory, tensors, quantization_config, replaced):
+    """The HF model's own tensors (less `replaced` linears' weights) plus `tensors`, and its config.json
+    with quantization_config."""
+    save_hf_model(hf, directory)
+    state = {k: v.numpy() for k, v in hf.state_dict().items()
+             if not (k.endswith(".weight") and k.rsplit(".", 1)[0] in replaced)}
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    # safetensors.numpy writes an array's buffer as it lies: C order first.
+    save_file({k: np.ascontiguousarray(v) for k, v in {**state, **tensors}.items()}, str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def with_weights(hf, weights):
+    """The HF model with each linear's weight replaced by its float64 dequantized value (rounded to float32)."""
+    state = hf.state_dict()
+    for name, w in weights.items():
+        state[f"{name}.weight"] = torch.tensor(w.astype(np.float32))
+    hf.load_state_dict(state)
+    return hf
+
+
+def gptq_checkpoint(hf, directory, bits, group_size, sym, fmt):
+    tensors, weights = {}, {}
+    for name in linear_names(hf):
+        w = hf.get_submodule(name).weight.detach().numpy().T.astype(np.float64)  # [in, out]
+        group = w.shape[0] if group_size == -1 else group_size
+        codes, zeros, scales = rtn(w, bits, group, sym)
+        stored_zeros = zeros - 1 if fmt == "gptq" else zeros
+        tensors[f"{name}.qweight"] = pack_int32(codes, bits, axis=0)
+        tensors[f"{name}.qzeros"] = pack_int32(stored_zeros & ((1 << bits) - 1), bits, axis=1)
+        tensors[f"{name}.scales"] = scales
+        tensors[f"{name}.g_idx"] = (np.arange(w.shape[0]) // group).astype(np.int32)
+        # w = (q - zero) * scale
+        weights[name] = ((codes - np.repeat(zeros, group, 0)) * np.repeat(scales.astype(np.float64), group, 0)).T
+    config = dict(quant_method="gptq", bits=bits, group_size=group_size, sym=sym, desc_act=False,
+                  checkpoint_format=fmt)
+    return write(hf, directory, tensors, config, set(weights)), with_weights(hf, weights)
+
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def awq_pack(codes):
+    """[rows, out] codes -> int32 [rows, out / 8]: nibble k of word j holds column 8j + AWQ_ORDER[k]."""
+    rows, out = codes.shape
+    by_nibble = codes.reshape(rows, out // 8, 8)[:, :, AWQ_ORDER]
+    return pack_int32(by_nibble.reshape(rows, out), 4, axis=1)
+
+
+def awq_checkpoint(hf, directory, group_size):
+    tensors, weights = {}, {}
+    for name in linear_names(hf):
+        w = hf.get_submodule(name).weight.detach().numpy().T.astype(np.float64)
+        codes, zeros, scales = rtn(w, 4, group_size, sym=False)
+        tensors[f"{name}.qweight"] = awq_pack(codes)
+        tensors[f"{name}.qzeros"] = awq_pack(zeros)
+        tensors[f"{name}.scales"] = scales
+        weights[name] = ((codes - np.repeat(zeros, group_size, 0)) * np.repeat(scales.astype(np.float64),
+                                                                               group_size, 0)).T
+    config = dict(quant_method="awq", version="gemm", bits=4, group_size=group_size, zero_point=True)
+    return write(hf, directory, tensors, config, set(weights)), with_weights(hf, weights)
+
+
+def fp8_checkpoint(hf, directory, block):
+    tensors, weights = {}, {}
+    for name in linear_names(hf):
+        w = hf.get_submodule(name).weight.detach().numpy().astype(np.float64)  # [out, in]
+        bo, bi = block
+        nb_out, nb_in = -(-w.shape[0] // bo), -(-w.shape[1] // bi)
+        scale = np.zeros((nb_out, nb_in), np.float32)
+        for r in range(nb_out):
+            for c in range(nb_in):
+                scale[r, c] = np.abs(w[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi]).max() / 448.0
+        s = np.repeat(np.repeat(scale.astype(np.float64), bo, 0), bi, 1)[:w.shape[0], :w.shape[1]]
+        q = (w / s).astype(ml_dtypes.float8_e4m3fn)
+        tensors[f"{name}.weight"] = q
+        tensors[f"{name}.weight_scale_inv"] = scale
+        weights[name] = q.astype(np.float64) * s
+    config = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=list(block))
+    directory = write(hf, directory, {}, config, set(weights))
+    _save_with_fp8(directory / "model.safetensors", tensors)
+    return directory, with_weights(hf, weights)
+
+
+def _save_with_fp8(path, fp8_tensors):
+    """safetensors.numpy cannot write float8: write F8_E4M3 entries through torch."""
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file as save_torch
+
+    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in load_file(str(path)).items()}
+    for k, v in fp8_tensors.items():
+        v = torch.from_numpy(np.ascontiguousarray(v).view(np.uint8) if v.dtype == ml_dtypes.float8_e4m3fn
+                             else np.ascontiguousarray(v))
+        state[k] = v.view(torch.float8_e4m3fn) if v.dtype == torch.uint8 else v
+    save_torch(state, str(path))
+
+
+def compressed_checkpoint(variant, seed, directory, fmt, weights, input_activations=None):
+    """A compressed-tensors checkpoint written by the library: its scales from each weight's min / max."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    hf = make_hf_model(variant, seed)
+    args = QuantizationArgs(**weights)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args,
+                                input_activations=input_activations and QuantizationArgs(**input_activations))
+    apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"],
+                                                     format=fmt))
+    for module in hf.modules():
+        if hasattr(module, "weight_scale"):
+            w = module.weight.data
+            if args.strategy == "group":
+                g = w.reshape(w.shape[0], -1, args.group_size)
+                low, high = g.amin(-1), g.amax(-1)
+            elif args.strategy == "channel":
+                low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+            else:
+                low, high = w.min().reshape(1), w.max().reshape(1)
+            scale, zero = calculate_qparams(low, high, args)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(hf, quantization_format=fmt)
+    compressor.compress_model(hf)
+    hf.save_pretrained(directory)
+    compressor.update_config(str(directory))
+    # The reference: the library's own decompression of each weight, in a float model.
+    compressor.decompress_model(hf)
+    weights = {name: hf.get_submodule(name).weight.detach().numpy() for name in linear_names(hf)}
+    reference = with_weights(make_hf_model(variant, seed), weights)
+    if input_activations:
+        for name in linear_names(reference):
+            reference.get_submodule(name).register_forward_pre_hook(lambda _, args: (int8_per_token(args[0]),))
+    return directory, reference
+
+
+def int8_per_token(x):
+    """Dynamic symmetric int8 per token: each row rounded to absmax / 127 steps."""
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+    return torch.clamp(torch.round(x / scale), -127, 127) * scale
+
+
+def greedy(model, prompt):
+    tokens = list(prompt)
+    for _ in range(NEW_TOKENS):
+        tokens.append(int(np.argmax(model.logits(tokens)[-1])))
+    return tokens[len(prompt):]
+
+
+def check_rounded_activations(model, reference):
+    """w8a8: one activation a float ulp from an int8 rounding boundary rounds
+    either way under another summation order, and later positions carry the
+    step. Teacher-forced on the reference's greedy continuation: logits within
+    2% of their scale, and the same argmax wherever the reference's top two
+    are further apart than the difference seen."""
+    for prompt in PROMPTS:
+        tokens = list(prompt) + hf_greedy(reference, prompt, NEW_TOKENS)
+        expected, actual = hf_logits(reference, tokens), model.logits(tokens)
+        err = np.abs(actual - expected).max(-1)
+        assert err.max() <= 2e-2 * np.abs(expected).max(), err.max()
+        top2 = np.sort(expected, -1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * err
+        assert clear[len(prompt) - 1:].mean() >= 0.5
+        assert np.array_equal(actual.argmax(-1)[clear], expected.argmax(-1)[clear])
+
+
+def check(directory, reference, scheme, group_size=None):
+    model = jaxinfer.load(str(directory), progress=False)
+    assert model.quantization == "stored"
+    w = model.params["layers"]["w_down"]
+    assert isinstance(w, QuantizedTensor) and w.scheme == scheme, w
+    if group_size is not None:
+        assert w.group_size == group_size
+    if scheme == "w8a8":
+        return check_rounded_activations(model, reference)
+    for prompt in PROMPTS:
+        expected = hf_logits(reference, prompt)
+        actual = model.logits(prompt)
+        err = np.abs(actual - expected).max() / np.abs(expected).max()
+        assert err <= 1e-3, f"relative error {err:.3g}"
+        assert greedy(model, prompt) == hf_greedy(reference, prompt, NEW_TOKENS)
+    return model
+
+
+@pytest.mark.parametrize("variant,bits,group_size,sym,fmt,scheme,kept_group", [
+    ("llama", 4, 32, True, "gptq", "int4", 32),
+    ("qwen2", 4, 64, False, "gptq_v2", "int4", 64),
+    ("llama", 8, -1, False, "gptq", "int8", None),
+    ("qwen2", 8, 32, True, "gptq_v2", "int8", 32),
+])
+def test_gptq(tmp_path, variant, bits, group_size, sym, fmt, scheme, kept_group):
+    directory, reference = gptq_checkpoint(make_hf_model(variant, seed=3), tmp_path, bits, group_size, sym, fmt)
+    check(directory, reference, scheme, kept_group)
+
+
+@pytest.mark.parametrize("variant,group_size", [("llama", 32), ("qwen2", 64)])
+def test_awq_gemm(tmp_path, variant, group_size):
+    directory, reference = awq_checkpoint(make_hf_model(variant, seed=4), tmp_path, group_size)
+    check(directory, reference, "int4", group_size)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_fp8_blocks(tmp_path, variant):
+    # 32 x 48 blocks: several per weight, the last block of each axis partial (64 = 48 + 16).
+    directory, reference = fp8_checkpoint(make_hf_model(variant, seed=5), tmp_path, (32, 48))
+    check(directory, reference, "fp8", 16)
+
+
+@pytest.mark.parametrize("variant,fmt,weights,inputs,scheme", [
+    ("llama", "pack-quantized", dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32),
+     None, "int4"),
+    ("qwen2", "pack-quantized", dict(num_bits=4, type="int", symmetric=True, strategy="channel"), None, "int4"),
+    ("llama", "int-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+     dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True), "w8a8"),
+    ("qwen2", "float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="channel"), None, "fp8"),
+    ("llama", "naive-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="group", group_size=32),
+     None, "int8"),
+])
+def test_compressed_tensors(tmp_path, variant, fmt, weights, inputs, scheme):
+    pytest.importorskip("compressed_tensors")
+    directory, reference = compressed_checkpoint(variant, 6, tmp_path, fmt, weights, inputs)
+    check(directory, reference, scheme)
+
+
+@pytest.mark.parametrize("quantization_config,named", [
+    (dict(quant_method="bitsandbytes", load_in_4bit=True), "'bitsandbytes'"),
+    (dict(quant_method="gptq", bits=3, group_size=32), "3-bit GPTQ"),
+    (dict(quant_method="gptq", bits=4, group_size=32, checkpoint_format="marlin"), "'marlin'"),
+    (dict(quant_method="gptq_marlin_24", bits=4), "'gptq_marlin_24'"),
+    (dict(quant_method="awq", version="gemv", bits=4), "'gemv'"),
+    (dict(quant_method="hqq"), "'hqq'"),
+    (dict(quant_method="compressed-tensors", format="pack-quantized", sparsity_config=dict(format="sparse-24-bitmask"),
+          config_groups={}), "sparsity"),
+])
+def test_unsupported_methods_are_refused(tmp_path, quantization_config, named):
+    hf = make_hf_model("llama")
+    directory = write(hf, tmp_path, {}, quantization_config, set())
+    with pytest.raises(UnsupportedModelError, match="not supported") as refused:
+        jaxinfer.load(str(directory), progress=False)
+    assert named in str(refused.value)
+    # Refused where any caller opens the directory (convert, calibration), not only by load().
+    with pytest.raises(UnsupportedModelError, match="not supported"):
+        open_checkpoint(directory)
