@@ -1,6 +1,6 @@
 """x @ K-quant weights (quant/kquant.py: Q2_K .. Q6_K as the file stores them)
 on CPU: kquant_matmul.cc, float32 activations, the weight's exact values,
-1 to max_rows() rows; built with the machine's compiler on first use
+any number of rows; built with the machine's compiler on first use
 (native/build.py). The int8-activation path for the same weights ("gguf-a8")
 is q8_matmul.cc's second handler (q8_kquant_matmul).
 
@@ -8,6 +8,9 @@ Why native code: the XLA path (quant/linear.py) dequantizes the weight into a
 float32 copy on every call; the kernels read the codes and two-level scales
 once, in place, from the stacked weights of every layer plus a layer index
 (quant/layer_weights.py, LayerOf), and expand them in registers.
+
+The supports* functions say what a kernel can take; which one multiplies a
+weight at how many rows is the CPU backend's choice (backends/cpu_weights.py).
 """
 
 from __future__ import annotations
@@ -27,9 +30,6 @@ Q8_SOURCE = Path(__file__).with_name("q8_matmul.cc")
 Q8_TARGET_NAME = "jaxinfer_q8_kquant_matmul"
 KINDS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # kquant_matmul.cc's Kind
 TILE = 64  # columns per tile: the kernels read tiled weights only
-# Rows up to which the exact kernel serves (as native/matmul.py's MAX_ROWS:
-# the engine's steps are 256 rows by default); past it quant/linear.py.
-MAX_ROWS = 512
 
 
 def available() -> bool:
@@ -47,19 +47,15 @@ def tileable(w: KQuantTensor) -> bool:
     return cpu_has("avx512f") and not w.tile and w.out_features % TILE == 0 and w.in_features % 256 == 0
 
 
-def _layout_ok(w: KQuantTensor) -> bool:
+def supports(w: KQuantTensor) -> bool:
+    """Whether the exact kernel takes w: tiled, at most one leading layer axis."""
     return w.tile == TILE and w.codes.ndim in (3, 4)
 
 
-def supports(rows: int, w: KQuantTensor) -> bool:
-    """Whether the exact kernel serves x [rows, in] @ w (tiled, at most one leading layer axis)."""
-    return jax.default_backend() == "cpu" and 1 <= rows <= MAX_ROWS and _layout_ok(w) and available()
-
-
-def supports_q8(rows: int, w: KQuantTensor) -> bool:
-    """Whether the int8-activation kernel serves x [rows, in] @ w (w with activation_block)."""
-    return (jax.default_backend() == "cpu" and rows >= 1 and w.activation_block == SUPER_BLOCK and _layout_ok(w)
-            and q8_available())
+def supports_q8(w: KQuantTensor) -> bool:
+    """Whether the int8-activation kernel takes w: as supports(), with an
+    activation block of one super-block."""
+    return w.activation_block == SUPER_BLOCK and supports(w)
 
 
 def _arrays(w: KQuantTensor) -> list:

@@ -2,7 +2,7 @@
 built with the machine's C++ compiler on first use (native/build.py,
 native_library):
 
-  matmul.cc         float32 activations, up to max_rows() rows: the weight's
+  matmul.cc         float32 activations, any number of rows: the weight's
                     exact value; one call may take several weights of one
                     layer (a layer's q, k and v: quantized_matmuls); and a
                     MoE's experts, each row by its own expert
@@ -17,8 +17,12 @@ Why native code: XLA does not fuse a convert into a dot, so the XLA path
 at a few rows (decode at small batches, speculative verification) is most of the
 step, and past that a float32 dot is compute-bound. The kernels read the
 codes once, in place, from the stacked weights of every layer plus a layer
-index (quant/tensor.py, LayerOf): a per-layer slice handed to a custom call
-would be copied by XLA first.
+index (quant/layer_weights.py, LayerOf): a per-layer slice handed to a
+custom call would be copied by XLA first.
+
+The supports* functions say what a kernel can take (scheme, dtype, layout,
+tiles); which kernel multiplies which weight at how many rows is the CPU
+backend's choice (backends/cpu_weights.py).
 """
 
 from __future__ import annotations
@@ -35,19 +39,6 @@ from jaxinfer.native.build import cpu_has, native_ffi_target
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_quantized_matmul"
 EXPERT_TARGET_NAME = "jaxinfer_quantized_expert_matmul"
-# Rows up to which the exact kernel beats XLA's path (a float copy of the
-# weight, then a GEMM that shares it across the rows). The default model's
-# seven projections x 30 layers, fastest of 40 calls, on a Zen 4 VM (stop 29):
-# 256 rows 300-308 ms in the kernel against 375-380 in XLA, 512 rows 607-623
-# against 665-666. (A Zen 5 VM, before that stop's 12% faster kernel, had XLA
-# ahead at 256 rows, 153-166 against 170-177 ms, and set 128.) The CPU
-# engine's steps are 256 rows by default; an engine with a larger
-# max_num_batched_tokens takes XLA past 512.
-# Past 8 rows that is the kernel's AVX-512 register-tiled path; a CPU without
-# AVX-512 runs its few-row loop there, which lost to XLA from ~24 rows, so it
-# keeps the earlier limit.
-MAX_ROWS = 512
-MAX_ROWS_WITHOUT_AVX512 = 8
 Q8_SOURCE = Path(__file__).with_name("q8_matmul.cc")
 Q8_TARGET_NAME = "jaxinfer_q8_matmul"
 Q8_COLUMNS = 64  # the int8-activation kernel's output columns per tile
@@ -67,28 +58,17 @@ def experts_available() -> bool:
     return available() and native_ffi_target(str(SOURCE), "JaxinferQuantizedExpertMatmuls", EXPERT_TARGET_NAME)
 
 
-def max_rows() -> int:
-    """The rows up to which supports() takes the exact kernel on this CPU."""
-    return MAX_ROWS if cpu_has("avx512f") else MAX_ROWS_WITHOUT_AVX512
+def supports(w: QuantizedTensor) -> bool:
+    """Whether the exact kernel takes w (one matrix [in, out] or a stack of
+    layers, plain or in tiles of TILE; its tiled paths are AVX-512's)."""
+    return (w.scheme in ("int8", "int4") and w.scales.dtype == jnp.float32 and _layout_ok(w)
+            and (not w.tile or cpu_has("avx512f")) and (w.scheme == "int8" or w.group_size % 2 == 0))
 
 
-def supports(rows: int, w: QuantizedTensor) -> bool:
-    """Whether the kernel serves x [rows, in] @ w (w with at most one leading
-    layer axis) on this backend."""
-    return (jax.default_backend() == "cpu" and 1 <= rows <= max_rows() and w.scheme in ("int8", "int4")
-            and w.scales.dtype == jnp.float32 and _layout_ok(w) and (not w.tile or cpu_has("avx512f"))
-            and (w.scheme == "int8" or w.group_size % 2 == 0) and available())
-
-
-def supports_together(rows: int, ws: list[QuantizedTensor]) -> bool:
-    """Whether one kernel call serves x [rows, in] @ each of ws (one layer
-    each): every weight supported, with one group size and offsets on all or
-    none (the call's attributes)."""
-    return all(supports(rows, w) for w in ws) and _share_attributes(ws)
-
-
-def _share_attributes(ws: list[QuantizedTensor]) -> bool:
-    """One group size, and offsets on all or none: one call's attributes."""
+def share_attributes(ws: list[QuantizedTensor]) -> bool:
+    """Whether one call of the exact kernel takes all of ws (quantized_matmuls,
+    quantized_expert_matmuls): one group size, and offsets on all or none
+    (the call's attributes)."""
     return len({w.group_size for w in ws}) == 1 and len({w.offsets is None for w in ws}) == 1
 
 
@@ -97,29 +77,25 @@ def q8_available() -> bool:
     return native_ffi_target(str(Q8_SOURCE), "JaxinferQ8Matmul", Q8_TARGET_NAME)
 
 
-def supports_q8(rows: int, w: QuantizedTensor) -> bool:
-    """Whether the int8-activation kernel serves x [rows, in] @ w, a weight
-    with activation_block set, on this backend."""
-    return (jax.default_backend() == "cpu" and rows >= 1 and w.scheme in ("int8", "int4")
-            and w.activation_block in (16, 32) and w.group_size % w.activation_block == 0
+def supports_q8(w: QuantizedTensor) -> bool:
+    """Whether the int8-activation kernel takes w, a weight with
+    activation_block set (one matrix or a stack of layers, plain layout)."""
+    return (w.scheme in ("int8", "int4") and w.activation_block in (16, 32) and w.group_size % w.activation_block == 0
             and w.out_features % Q8_COLUMNS == 0 and w.data.ndim in (2, 3) and not w.tile
-            and w.scales.dtype in (jnp.float32, jnp.float16) and q8_available())
+            and w.scales.dtype in (jnp.float32, jnp.float16))
 
 
 def tileable(w: QuantizedTensor) -> bool:
-    """Whether w (stacked layer weights, or one matrix) should be stored in
-    tiles of TILE columns: a weight the exact kernel multiplies, on a CPU
-    where it takes tiles. The loader tiles such weights once
-    (loading/model.py); a tiled weight reaches every other path untiled
-    (LayerOf.layer, linear)."""
-    return (cpu_has("avx512f") and not w.tile and not w.activation_block and w.out_features % TILE == 0
-            and supports(1, w))
+    """Whether w (stacked layer weights, or one matrix) can be stored in tiles
+    of TILE columns for the exact kernel: one it takes, plain, whose columns
+    fill whole tiles, on a CPU with AVX-512."""
+    return cpu_has("avx512f") and not w.tile and w.out_features % TILE == 0 and supports(w)
 
 
 def tileable_experts(w: QuantizedTensor) -> bool:
     """tileable() for a MoE's stack of experts [layers, experts, in, out]."""
-    return (cpu_has("avx512f") and not w.tile and w.data.ndim == 4
-            and w.out_features % TILE == 0 and supports_experts([w]))
+    return (cpu_has("avx512f") and not w.tile and w.data.ndim == 4 and w.out_features % TILE == 0
+            and supports_experts([w]))
 
 
 def _layout_ok(w: QuantizedTensor) -> bool:
@@ -137,10 +113,10 @@ def quantized_matmuls(x, ws: list[QuantizedTensor], layer_index=0) -> list[jax.A
     """[quantized_matmul(x, w, layer_index) for w in ws] in one kernel call
     (the same numbers): the cores share out every weight's tasks at once.
     The weights must share a group size and have offsets all or none
-    (supports_together)."""
+    (share_attributes)."""
     if not available():
         raise RuntimeError("the CPU quantized matmul kernel is not available here (see the warning above)")
-    if not _share_attributes(ws):
+    if not share_attributes(ws):
         raise ValueError("quantized_matmuls: the weights must share a group size and all or none have offsets")
     buffers = []
     for w in ws:
@@ -152,14 +128,14 @@ def quantized_matmuls(x, ws: list[QuantizedTensor], layer_index=0) -> list[jax.A
 
 
 def supports_experts(ws: list[QuantizedTensor]) -> bool:
-    """Whether quantized_expert_matmuls serves these stacks of experts
-    [layers, experts, in, out] (any number of rows; a weight with an
-    activation block multiplies activations its caller rounded first)."""
-    return (jax.default_backend() == "cpu" and all(
-        w.scheme in ("int8", "int4") and w.scales.dtype == jnp.float32
-        and w.data.ndim - (1 if w.tile else 0) == 4 and w.tile in (0, TILE) and (not w.tile or cpu_has("avx512f"))
-        and (w.scheme == "int8" or w.group_size % 2 == 0) for w in ws) and _share_attributes(ws)
-        and experts_available())
+    """Whether quantized_expert_matmuls takes these stacks of experts
+    [layers, experts, in, out] in one call (any number of rows; a weight
+    with an activation block multiplies activations its caller rounded
+    first)."""
+    return all(w.scheme in ("int8", "int4") and w.scales.dtype == jnp.float32
+               and w.data.ndim - (1 if w.tile else 0) == 4 and w.tile in (0, TILE)
+               and (not w.tile or cpu_has("avx512f")) and (w.scheme == "int8" or w.group_size % 2 == 0)
+               for w in ws) and share_attributes(ws)
 
 
 def quantized_expert_matmuls(x, ws: list[QuantizedTensor], layer_index, expert_ids) -> list[jax.Array]:

@@ -29,7 +29,7 @@ from jaxinfer.quant.tensor import QuantizedTensor
 class LayerOf:
     """Layer `index` (traced) of a stacked QuantizedTensor or KQuantTensor
     [layers, ...], of a float stack (a MoE's experts, which a native kernel
-    reads in place), or of a MixedStack (quant/mixed_stack.py: its `apply`
+    reads in place), or of a MixedStack (quant/mixed_stack.py: `apply`
     takes the place of `layer()`, since its layers differ in form)."""
     stacked: QuantizedTensor | KQuantTensor | MixedStack | jax.Array
     index: jax.Array
@@ -39,9 +39,18 @@ class LayerOf:
         """One layer's (logical) shape."""
         return self.stacked.shape[1:]
 
+    def apply(self, fn):
+        """fn(stack, index) on the stack that holds this layer and the layer's
+        index in it: the stack itself, or a MixedStack's part of the layer's
+        format, under a switch on the index (MixedStack.apply). Every
+        computation on a layer that may be a MixedStack's goes through here."""
+        if isinstance(self.stacked, MixedStack):
+            return self.stacked.apply(self.index, fn)
+        return fn(self.stacked, self.index)
+
     def layer(self):
         if isinstance(self.stacked, MixedStack):
-            raise TypeError("a MixedStack's layer has no one form under a traced index: use stacked.apply")
+            raise TypeError("a MixedStack's layer has no one form under a traced index: use apply")
         layer = jax.tree.map(lambda a: a[self.index], self.stacked)
         return layer.untiled() if isinstance(layer, (QuantizedTensor, KQuantTensor)) else layer
 

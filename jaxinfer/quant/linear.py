@@ -65,7 +65,6 @@ import jax.numpy as jnp
 from jaxinfer.quant import kquant
 from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.quant.layer_weights import LayerOf
-from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.schemes import absmax_int8, int8_blocks
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize, unpack_int4
 
@@ -76,10 +75,8 @@ def linear(x: jax.Array, w) -> jax.Array:
     w: an array, a QuantizedTensor or KQuantTensor [in, out] (or with leading
     layer axes, which broadcast like `x @ w`), or one layer of a stack
     (LayerOf, the form a MixedStack reaches the layer loop in)."""
-    if isinstance(w, LayerOf):
-        if isinstance(w.stacked, MixedStack):
-            return w.stacked.apply(w.index, lambda part, index: linear(x, LayerOf(part, index)))
-        return linear(x, w.layer())
+    if isinstance(w, LayerOf):  # a MixedStack's layer under a switch on its format
+        return w.apply(lambda stacked, index: linear(x, LayerOf(stacked, index).layer()))
     if isinstance(w, KQuantTensor):
         # The reference: the file's values in float, then a float matmul.
         if w.activation_block:

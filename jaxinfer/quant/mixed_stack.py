@@ -15,9 +15,9 @@ and the layer loop picks the stack of the layer it is at:
 
 A scan cannot slice it (its parts have different lengths), so every
 backend's layer loop hands it to the body as LayerOf(stack, layer_index)
-(quant/layer_weights.py), and `apply` runs a per-part computation under a
-lax.switch on the (traced) layer index: only the branch of the layer's
-format runs, reading its stack in place.
+(quant/layer_weights.py), and `apply` (which LayerOf.apply calls) runs a
+per-part computation under a lax.switch on the (traced) layer index: only
+the branch of the layer's format runs, reading its stack in place.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.backends import CpuBackend
+from jaxinfer.backends import CpuBackend, cpu_weights
 from jaxinfer.models.llama import forward
 from jaxinfer.native import matmul as cpu_matmul
 from jaxinfer.quant.layer_weights import LayerOf
@@ -141,14 +141,14 @@ def test_linears_share_one_call_where_the_kernel_takes_them_all():
 
 
 def test_tiled_layout_round_trips_and_reaches_xla_untiled():
-    """untiled() restores the stored arrays exactly; past max_rows() the CPU backend
+    """untiled() restores the stored arrays exactly; past max_exact_rows() the CPU backend
     hands the XLA path the untiled layer, with the same values."""
     rng = np.random.default_rng(4)
     w, value = random_stacked_weight(rng, "int4", 2, 64, 192, 32, True)
     tiled = w.tiled(cpu_matmul.TILE)
     for a, b in zip(jax.tree.leaves(tiled.untiled()), jax.tree.leaves(w)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    x = jnp.asarray(rng.standard_normal((cpu_matmul.max_rows() + 1, 64)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((cpu_weights.max_exact_rows() + 1, 64)), jnp.float32)
     fn = jax.jit(lambda x, w, i: CPU.linear(x, LayerOf(w, i)))
     assert cpu_matmul.TARGET_NAME not in fn.lower(x, tiled, jnp.int32(1)).as_text()
     assert_matches(np.asarray(fn(x, tiled, jnp.int32(1))), np.asarray(x, np.float64) @ value[1])
@@ -234,12 +234,12 @@ def test_linear_with_int8_activations_same_on_every_path():
 
 
 def test_linear_hands_layer_of_to_the_kernel_and_the_rest_to_xla():
-    """The CPU backend's linear on LayerOf runs the kernel up to max_rows() rows (128 with
+    """The CPU backend's linear on LayerOf runs the kernel up to max_exact_rows() rows (128 with
     AVX-512) and the XLA path (on the sliced layer) past that: the same
     values either way."""
     rng = np.random.default_rng(0)
     w, value = random_stacked_weight(rng, "int4", 2, 64, 128, 32, True)
-    max_rows = cpu_matmul.max_rows()
+    max_rows = cpu_weights.max_exact_rows()
     for rows in (3, max_rows, max_rows + 1):
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
         fn = jax.jit(lambda x, w, i: CPU.linear(x, LayerOf(w, i)))

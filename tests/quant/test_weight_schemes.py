@@ -246,7 +246,7 @@ def test_default_model_head_reads_the_files_blocks(default_float):
     kernel (decode up to FEW_ROW_HEAD_MAX_ROWS sequences): its values are
     the float table's exactly, and the logits of one row and of a batch of
     64 through it match the float model's."""
-    from jaxinfer.backends.cpu import FEW_ROW_HEAD_MAX_ROWS
+    from jaxinfer.backends.cpu_weights import FEW_ROW_HEAD_MAX_ROWS
 
     model = jaxinfer.load(progress=False)
     head = model.params["few_row_head"]
