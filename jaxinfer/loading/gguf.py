@@ -108,6 +108,31 @@ def _f16(two_bytes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(two_bytes).view("<f2")[..., 0].astype(np.float32)
 
 
+# Blocks dequantized per call of the library's block dequantizer: gguf's own
+# loop takes 16 rows a call, whose per-call overhead made a 49,152-row
+# embedding table 6x slower to read; a few MB of float32 a call stays in cache.
+_CHUNK_BLOCKS = 2048
+
+
+def dequantize_blocks(data: np.ndarray, qtype) -> np.ndarray:
+    """gguf.quants.dequantize(data, qtype), float32 [..., weights per row],
+    the block types run in chunks of _CHUNK_BLOCKS blocks over the whole
+    tensor (the library's own dequantize_blocks, so the values are its)."""
+    qtype = gguf.GGMLQuantizationType(qtype)
+    traits = getattr(gguf.quants, "_type_traits", {}).get(qtype)
+    if qtype not in _CHUNKED_TYPES or traits is None:
+        return gguf.quants.dequantize(data, qtype)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.asarray(data, np.uint8).reshape(-1, type_size)
+    out = np.empty((blocks.shape[0], block_size), np.float32)
+    for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
+        out[start:start + _CHUNK_BLOCKS] = traits.dequantize_blocks(blocks[start:start + _CHUNK_BLOCKS])
+    return out.reshape(*data.shape[:-1], data.shape[-1] // type_size * block_size)
+
+
+_CHUNKED_TYPES = frozenset([Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+
+
 def blocks_to_quantized(raw: np.ndarray, qtype, out_dim: int, in_dim: int, unpermute_heads: int | None = None):
     """Raw GGUF blocks of an [out, in] matrix -> QuantizedTensor [in, out] (numpy leaves).
 
@@ -158,12 +183,8 @@ def blocks_to_quantized(raw: np.ndarray, qtype, out_dim: int, in_dim: int, unper
     return QuantizedTensor(data, scales, offsets, scheme, group_size)
 
 
-# Per type: (byte offset of the f16 d, of the f16 minimum or None, of the
-# sub-block scale bytes or None, those bytes set so that every sub-block's
-# scale is 1 and minimum 0). Q4_K / Q5_K pack 6-bit sc[8] and m[8] in 12 bytes.
-_K_UNIT = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)
-_UNIT_SCALES = {Q.Q5_0: (0, None, None, None), Q.Q5_1: (0, 2, None, None),
-                Q.Q4_K: (0, 2, 4, _K_UNIT), Q.Q5_K: (0, 2, 4, _K_UNIT), Q.Q6_K: (208, None, 192, np.ones(16, np.uint8))}
+# Per type: the byte offsets of the f16 d and of the f16 minimum (or None).
+_UNIT_SCALES = {Q.Q5_0: (0, None), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None)}
 _F16_ONE = np.array([1.0], "<f2").view(np.uint8)
 
 
@@ -171,19 +192,21 @@ def _codes(blocks: np.ndarray, qtype):
     """[..., n, bytes] blocks of a _UNIT_SCALES type -> (integer codes [..., n *
     block size], scales [..., n * groups], offsets or None), float32 scales.
 
-    The codes come from gguf's own dequantizer run on a copy of the blocks
-    whose d is 1, minimum 0 and sub-block scales 1: the bit layout stays the
-    library's, and its output is the integers exactly (Q5_0 and Q6_K include
-    their -16 / -32 there)."""
-    d_at, min_at, sub_at, unit = _UNIT_SCALES[qtype]
-    unit_blocks = blocks.copy()
-    unit_blocks[..., d_at:d_at + 2] = _F16_ONE
-    if min_at is not None:
-        unit_blocks[..., min_at:min_at + 2] = 0
-    if sub_at is not None:
-        unit_blocks[..., sub_at:sub_at + unit.size] = unit
-    codes = gguf.quants.dequantize(unit_blocks, qtype)
-    codes = codes.astype(np.uint8 if qtype == Q.Q4_K else np.int8)  # Q4_K goes to int4: 0..15
+    The K-quants' codes are _k_codes' (integer operations); Q5_0 / Q5_1's
+    come from gguf's own dequantizer run on a copy of the blocks whose d is
+    1 and minimum 0: the bit layout stays the library's, and its output is
+    the integers exactly (Q5_0 and Q6_K include their -16 / -32)."""
+    d_at, min_at = _UNIT_SCALES[qtype]
+    if qtype in K_QUANT_KINDS:
+        codes = _k_codes(blocks.reshape(-1, blocks.shape[-1]), qtype)
+        if qtype != Q.Q4_K:  # Q4_K goes to int4: 0..15
+            codes = codes.view(np.int8) - np.int8(32 if qtype == Q.Q6_K else 0)
+    else:
+        unit_blocks = blocks.copy()
+        unit_blocks[..., d_at:d_at + 2] = _F16_ONE
+        if min_at is not None:
+            unit_blocks[..., min_at:min_at + 2] = 0
+        codes = dequantize_blocks(unit_blocks, qtype).astype(np.int8)
     d = _f16(blocks[..., d_at:d_at + 2])[..., None]  # [..., n, 1]
     minimum = None if min_at is None else _f16(blocks[..., min_at:min_at + 2])[..., None]
     if qtype in (Q.Q4_K, Q.Q5_K):
@@ -195,31 +218,38 @@ def _codes(blocks: np.ndarray, qtype):
     return codes, d, minimum
 
 
-# K-quant block types held as stored (quant/kquant.py): the byte offsets of
-# the f16 d and dmin in a block, and a block whose codes come out as what
-# gguf's dequantizer writes when every sub-scale is 1 and every minimum 0
-# (_unit_blocks).
+# K-quant block types held as stored (quant/kquant.py), and the byte offsets
+# of the f16 d and dmin in a block.
 K_QUANT_KINDS = {Q.Q2_K: "q2_k", Q.Q3_K: "q3_k", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}
 _K_D_AT = {Q.Q2_K: (80, 82), Q.Q3_K: (108, None), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None)}
 
 
-def _unit_blocks(blocks: np.ndarray, qtype) -> np.ndarray:
-    """A copy of K-quant `blocks` with d = 1, dmin = 0 and every sub-scale 1:
-    gguf's dequantizer then writes each weight's signed code (code - bias)."""
-    unit = blocks.copy()
-    d_at, dmin_at = _K_D_AT[qtype]
-    unit[..., d_at:d_at + 2] = _F16_ONE
-    if dmin_at is not None:
-        unit[..., dmin_at:dmin_at + 2] = 0
+def _bit_fields(packed: np.ndarray, width: int, shifts: int, run: int) -> np.ndarray:
+    """uint8 [n, bytes] -> [n, bytes * shifts]: each run of `run` bytes read
+    `shifts` times, shifted by 0, width, 2 * width, ..., masked to `width` bits
+    (the K-quants' code planes, ggml-common.h's layouts)."""
+    n = packed.shape[0]
+    by = (np.arange(shifts, dtype=np.uint8) * width).reshape(1, 1, shifts, 1)
+    fields = (packed.reshape(n, -1, 1, run) >> by) & np.uint8((1 << width) - 1)
+    return fields.reshape(n, -1)
+
+
+def _k_codes(blocks: np.ndarray, qtype) -> np.ndarray:
+    """[n, bytes] K-quant blocks -> uint8 codes [n, 256] as quant/kquant.py
+    holds them (code = the signed value gguf's dequantizer multiplies + bias),
+    in integer operations over the whole tensor. The bit layouts are the ones
+    gguf.quants' dequantize_blocks reads; tests/quant/test_kquant.py holds
+    every kind to gguf.quants.dequantize bit for bit."""
     if qtype == Q.Q2_K:
-        unit[..., 0:16] = 0x01  # scale 1 in the low nibble, minimum 0 in the high
-    elif qtype == Q.Q3_K:  # 6-bit scale 33 (= 1 + 32): low nibbles 1, high 2-bit fields 2
-        unit[..., 96:104] = 0x11
-        unit[..., 104:108] = 0xAA
-    else:
-        _, _, sub_at, ones = _UNIT_SCALES[qtype]
-        unit[..., sub_at:sub_at + ones.size] = ones
-    return unit
+        return _bit_fields(blocks[:, 16:80], 2, 4, 32)
+    if qtype == Q.Q3_K:  # the high bit is stored inverted: set means "no -4", code = low + 4 * bit
+        return _bit_fields(blocks[:, 32:96], 2, 4, 32) | (_bit_fields(blocks[:, 0:32], 1, 8, 32) << 2)
+    if qtype == Q.Q4_K:
+        return _bit_fields(blocks[:, 16:144], 4, 2, 32)
+    if qtype == Q.Q5_K:
+        return _bit_fields(blocks[:, 48:176], 4, 2, 32) | (_bit_fields(blocks[:, 16:48], 1, 8, 32) << 4)
+    # Q6_K: 4 low bits in 2 runs of 64 bytes, 2 high bits in 4 fields of 2 runs of 32
+    return _bit_fields(blocks[:, 0:128], 4, 2, 64) | (_bit_fields(blocks[:, 128:192], 2, 4, 32) << 4)
 
 
 def _k_sub_scales(blocks: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray | None]:
@@ -230,15 +260,11 @@ def _k_sub_scales(blocks: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray | N
         return np.ascontiguousarray(blocks[..., 0:16]).reshape(groups), None
     if qtype == Q.Q6_K:
         return np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(groups), None
-    if qtype == Q.Q3_K:
-        # The 6-bit scales, read by gguf's dequantizer: with d = 1 and every
-        # code 1 (low bits 01, high bit set) each weight is its group's scale - 32.
-        ones = blocks.copy()
-        ones[..., 108:110] = _F16_ONE
-        ones[..., 0:32] = 0xFF
-        ones[..., 32:96] = 0x55
-        values = gguf.quants.dequantize(ones.reshape(-1, blocks.shape[-1]), qtype).reshape(-1, 16, 16)[..., 0]
-        return values.astype(np.int8).reshape(groups), None
+    if qtype == Q.Q3_K:  # 6-bit scales: low nibbles in bytes 96..103, high 2 bits in 104..107
+        flat = blocks.reshape(-1, blocks.shape[-1])
+        low = _bit_fields(flat[:, 96:104], 4, 2, 8)
+        high = _bit_fields(flat[:, 104:108], 2, 4, 4)
+        return ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(groups), None
     sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
     return sc.astype(np.uint8).reshape(groups), m.astype(np.uint8).reshape(groups)
 
@@ -247,15 +273,14 @@ def blocks_to_kquant(raw: np.ndarray, qtype, out_dim: int, in_dim: int,
                      unpermute_heads: int | None = None) -> KQuantTensor:
     """Raw K-quant blocks of an [out, in] matrix -> KQuantTensor [in, out]
     (numpy leaves) holding the same codes and scales (quant/kquant.py): its
-    dequantize() is gguf's, bit for bit. The codes come from gguf's own
-    dequantizer (_unit_blocks), so the bit layout stays the library's."""
+    dequantize() is gguf's, bit for bit. Integer operations over the whole
+    tensor (_k_codes): no float pass, nothing per row."""
     qtype = gguf.GGMLQuantizationType(qtype)
     kind = K_QUANT_KINDS[qtype]
     f = FORMATS[kind]
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = np.asarray(raw, np.uint8).reshape(out_dim, in_dim // block_size, type_size)
-    codes = gguf.quants.dequantize(_unit_blocks(blocks, qtype).reshape(-1, type_size), qtype)
-    codes = (codes.astype(np.int32) + f.bias).astype(np.uint8).reshape(out_dim, in_dim)
+    codes = _k_codes(blocks.reshape(-1, type_size), qtype).reshape(out_dim, in_dim)
     sub_scales, sub_mins = _k_sub_scales(blocks, qtype)
     sub_scales = sub_scales.reshape(out_dim, in_dim // f.group)
     sub_mins = None if sub_mins is None else sub_mins.reshape(out_dim, in_dim // f.group)
@@ -400,7 +425,7 @@ class GGUFTensors:
             )
         # tensor.shape lists ggml dims fastest-first; numpy wants them reversed.
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        array = gguf.quants.dequantize(tensor.data, qtype).reshape(shape)
+        array = dequantize_blocks(tensor.data, qtype).reshape(shape)
         if name.endswith("shared_expert_gate.weight") and array.ndim == 1:
             array = array[None]  # llama.cpp stores HF's [1, hidden] as [hidden]
         heads = self._unpermute_heads(name)

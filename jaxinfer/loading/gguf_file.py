@@ -6,7 +6,7 @@ reader builds numpy views for every element of every metadata array, which for
 the default model's 49,152-token vocabulary and 48,900 merges took 1.7 s of a
 3 s warm start; this reads the same header in a few tens of milliseconds. The
 format's constants (value types, block sizes) still come from the `gguf`
-package, and tests/test_gguf.py checks every field and tensor against
+package, and tests/loading/test_gguf.py checks every field and tensor against
 GGUFReader on real files.
 
 Format (GGUF v2/v3, little-endian): magic, u32 version, u64 tensor count, u64

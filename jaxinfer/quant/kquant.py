@@ -147,21 +147,34 @@ class KQuantTensor:
             a = np.asarray(a)
             return jnp.asarray(np.ascontiguousarray(np.swapaxes(a.reshape(*a.shape[:-1], -1, tile), -3, -2)))
 
-        def plane_to_words(packed, bits, positions):
-            values = _unpack_bits_np(np.asarray(packed), bits).astype(np.uint32)  # [..., in, out]
-            per_word = 32 // bits
-            values = values.reshape(*values.shape[:-2], -1, per_word, values.shape[-1])  # [..., words, u, out]
-            words = np.zeros(values.shape[:-2] + values.shape[-1:], np.uint32)
-            for u in range(per_word):
-                words |= values[..., u, :] << np.uint32(positions[u])
-            # [..., words, out] -> [..., tiles, words, quarters, 16] -> bytes [..., tiles, words * 4, 64]
-            words = words.reshape(*words.shape[:-1], -1, 4, tile // 4)
-            words = np.moveaxis(words, -3, -4)
-            tiles = np.ascontiguousarray(words).astype("<u4").view(np.uint8)
-            return jnp.asarray(tiles.reshape(*tiles.shape[:-3], -1, tile))
-        high = None if self.high is None else plane_to_words(self.high, f.high_bits, _word_positions(f, True))
+        def words_to_tiles(word_bytes):  # [..., words, 4, out] -> [..., tiles, words * 4, tile] (the layout)
+            *lead, words, _, out = word_bytes.shape
+            lines = word_bytes.reshape(*lead, words, 4, out // tile, 4, tile // 4)  # [.., c, byte, tiles, q, m]
+            lines = np.moveaxis(lines, (-5, -4, -3), (-4, -1, -5))  # [.., tiles, c, q, m, byte]
+            return jnp.asarray(np.ascontiguousarray(lines).reshape(*lead, out // tile, words * 4, tile))
+
+        def low_words(packed):
+            # Byte k of word c holds inputs 32 / low * c + 8 / low * k + j at
+            # bits low * j: byte row 4c + k of the packed plane, as it is.
+            packed = np.asarray(packed)
+            return words_to_tiles(packed.reshape(*packed.shape[:-2], -1, 4, packed.shape[-1]))
+
+        def high_words(packed):
+            # Byte k of a word holds, for each run h of 32 / low inputs and
+            # each i < 8 / low, input h * run + 8 / low * k + i at bits
+            # high * (h * 8 / low + i) (_word_positions).
+            bits, per_byte = f.high_bits, 8 // f.low_bits
+            runs = f.low_bits // f.high_bits
+            values = _unpack_bits_np(np.asarray(packed), bits)  # [..., in, out]
+            values = values.reshape(*values.shape[:-2], -1, runs, 4, per_byte, values.shape[-1])
+            word_bytes = np.zeros(values.shape[:-4] + (4, values.shape[-1]), np.uint8)
+            for h in range(runs):
+                for i in range(per_byte):
+                    word_bytes |= values[..., h, :, i, :] << np.uint8(bits * (h * per_byte + i))
+            return words_to_tiles(word_bytes)
+        high = None if self.high is None else high_words(self.high)
         return dataclasses.replace(
-            self, codes=plane_to_words(self.codes, f.low_bits, _word_positions(f, False)), high=high,
+            self, codes=low_words(self.codes), high=high,
             sub_scales=to_tiles(self.sub_scales), sub_mins=to_tiles(self.sub_mins), d=to_tiles(self.d),
             dmin=to_tiles(self.dmin), tile=tile)
 
