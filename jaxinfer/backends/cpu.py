@@ -122,9 +122,10 @@ class CpuBackend(XlaBackend):
                         every_request_bytes: int) -> tuple[int, str]:
         """Host memory: enough for every sequence at full length, up to
         host_kv_cache_bytes, but never less than one sequence of the full
-        context while that fits in half of the host's available memory, so
-        that a model's own context (32k tokens for a 0.5B Qwen2.5: 805 MB of
-        float32 K/V) runs with no option set, as llama.cpp's does."""
+        context, up to half of the host's available memory (past it, that
+        half: the longest context it holds), so that a model's own context
+        (32k tokens for a 0.5B Qwen2.5: 805 MB of float32 K/V) runs with no
+        option set, as llama.cpp's does."""
         room = available_host_bytes() // 2
         budget = min(every_request_bytes, max(self.host_kv_cache_bytes, min(one_request_bytes, room)))
         return budget, (f"the CPU default: every sequence at full length up to "

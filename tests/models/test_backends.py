@@ -204,3 +204,24 @@ def test_gpu_backend_moe_matches_transformers(tmp_path):
     model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(interpret=True))
     tokens = np.random.default_rng(5).integers(0, hf_model.config.vocab_size, 7)  # 14 rows: the kernel's sizes
     assert_logits_close(model.logits(tokens), hf_logits(hf_model, tokens))
+
+
+def test_kv_budget_is_the_backends():
+    """The KV pool's size is the backend's rule: on CPU every sequence at full
+    length up to 512 MiB, but at least one full-context request while half of
+    the host's available memory holds it (a 32k-context 0.5B model's 805 MB of
+    K/V), else that half; where devices report no memory, the reference's
+    512 MiB cap."""
+    from jaxinfer.backends.host_memory import available_host_bytes
+
+    mib = 2**20
+    cpu, reference = CpuBackend(), XlaBackend()
+    one, every = 600 * mib, 16 * 600 * mib
+    assert available_host_bytes() // 2 >= one  # the rule's condition holds on this machine
+    assert cpu.kv_cache_budget(jax.devices(), 0.9, one, every)[0] == one
+    assert cpu.kv_cache_budget(jax.devices(), 0.9, 100 * mib, 16 * 100 * mib)[0] == 512 * mib
+    assert cpu.kv_cache_budget(jax.devices(), 0.9, 10 * mib, 2 * 10 * mib)[0] == 20 * mib  # all it needs
+    # One request past the room: the room, the longest context that fits (fit_default_context).
+    # (MemAvailable moves while other processes run: bounds, not one value.)
+    assert one <= cpu.kv_cache_budget(jax.devices(), 0.9, 2**50, 2**51)[0] < 2**50
+    assert reference.kv_cache_budget(jax.devices(), 0.9, one, every)[0] == 512 * mib
