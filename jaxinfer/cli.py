@@ -10,7 +10,7 @@ import time
 def _add_quantization_args(parser: argparse.ArgumentParser) -> None:
     """--quantization and --kv-cache-dtype, shared by generate, bench and ppl."""
     parser.add_argument("--quantization", default="auto",
-                        choices=["auto", "none", "gguf", "gguf-a8", "int8", "int4", "fp8", "w8a8"],
+                        choices=["auto", "none", "gguf", "gguf-a8", "stored", "int8", "int4", "fp8", "w8a8"],
                         help="weights: auto (default) keeps a GGUF file's blocks on CPU (exact) and loads "
                              "anything else as stored; none loads as stored (GGUF blocks dequantized to "
                              "--dtype); gguf keeps a GGUF file's Q8_0/Q4_x/Q5_x/K-quant blocks quantized; gguf-a8 "
@@ -198,8 +198,23 @@ def _serve(args) -> int:
 
     chat_template = _read_chat_template(args.chat_template)
     name = args.served_model_name or args.model or DEFAULT_MODEL_FILE.split(".")[0]
+    lockstep = None
+    from jax._src import distributed
+
+    if distributed.global_state.client is not None and distributed.global_state.num_processes > 1:
+        from jaxinfer.parallel.options_check import check_same_options
+        from jaxinfer.server.lockstep import Leader, serve_follower
+
+        client, process_id = distributed.global_state.client, distributed.global_state.process_id
+        num_processes = distributed.global_state.num_processes
+        check_same_options(client, process_id, num_processes, serve_description(args))
+        if process_id != 0:  # /health only; the engine loop follows host 0's requests
+            serve_follower(load, client=client, process_id=process_id, host=args.host, port=args.port,
+                           log_level=args.log_level)
+            return 0
+        lockstep = Leader(client, num_processes, args.lost_host_timeout)
     serve(load, model_name=name, host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, lora_modules=lora_modules,
+          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, lora_modules=lora_modules, lockstep=lockstep,
           chat_template=chat_template, tool_call_parser=args.tool_call_parser,
           allowed_origins=_origins(args.allowed_origins), allowed_methods=_origins(args.allowed_methods) or ["*"],
           allowed_headers=_origins(args.allowed_headers) or ["*"], allow_credentials=args.allow_credentials)
@@ -239,23 +254,32 @@ def _origins(values) -> list[str] | None:
     return out
 
 
-MULTI_HOST_VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+# serve's options that are each host's own, or host 0's front end's alone: the
+# other hosts may differ in these; any other option must match host 0's.
+PER_HOST_SERVE_OPTIONS = {"func", "command", "host", "port", "process_id", "num_processes", "coordinator_address",
+                          "api_key", "log_level", "served_model_name", "max_queue", "chat_template",
+                          "tool_call_parser", "enable_auto_tool_choice", "allowed_origins", "allowed_methods",
+                          "allowed_headers", "allow_credentials", "shutdown_timeout", "lost_host_timeout"}
 
 
-def refuse_multi_host_serve(args) -> None:
-    """`serve` runs on one host: lockstep hosts would each need the same
-    requests in the same order, which one HTTP front end does not give them
-    (the processes would wait on each other's collectives forever). Refused
-    before jax.distributed.initialize, which would wait for the other hosts."""
-    import os
+def serve_description(args) -> dict:
+    """What a lockstep host's engine depends on: serve's options but the per-host
+    ones, the model's files, and the versions of jaxinfer and JAX."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    given = [f"--{name.replace('_', '-')}" for name in ("coordinator_address", "num_processes", "process_id")
-             if getattr(args, name, None) is not None]
-    given += [v for v in MULTI_HOST_VARIABLES if os.environ.get(v)]
-    if given:
-        raise ValueError(f"jaxinfer serve runs on one host; multi-host serving is not supported yet (got "
-                         f"{', '.join(given)}). Run one server per host (--data-parallel-size and "
-                         "--tensor-parallel-size split a host's devices), or generate/bench for multi-host runs")
+    import jax
+
+    from jaxinfer.parallel.options_check import model_identity
+
+    description = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items())
+                   if k not in PER_HOST_SERVE_OPTIONS}
+    description["model files"] = model_identity(args.model)
+    try:
+        description["jaxinfer version"] = version("jaxinfer")
+    except PackageNotFoundError:
+        description["jaxinfer version"] = "unknown"
+    description["jax version"] = jax.__version__
+    return description
 
 
 def _bench_serve(args) -> int:
@@ -377,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allowed-methods", nargs="+", default=None, help="CORS methods (default '*')")
     srv.add_argument("--allowed-headers", nargs="+", default=None, help="CORS headers (default '*')")
     srv.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    srv.add_argument("--lost-host-timeout", type=float, default=5.0, metavar="SECONDS",
+                     help="multi-host: host 0 fails its requests (503) and /health when another host's heartbeat "
+                          "stops for this long")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -408,8 +435,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "serve":
-            refuse_multi_host_serve(args)
         from jaxinfer.parallel.distributed import initialize
 
         # Before anything touches JAX's devices (flags, else JAX_COORDINATOR_ADDRESS etc.).

@@ -243,6 +243,15 @@ class LLMEngine:
             raise RequestError(f"request {request_id}: id already in use")
         self.validate(f"request {request_id}", prompt_token_ids, params)
         self.validate_lora(f"request {request_id}", lora_request)
+        future = None
+        if params.structured_outputs is not None:
+            # Before any seed or counter moves: a refusal here (the compile
+            # queue is full) leaves the engine as it was, so lockstep hosts,
+            # which never see the refused request, keep drawing the same seeds.
+            try:
+                future = self.grammar_compiler.submit(params.structured_outputs)
+            except GrammarError as e:
+                raise RequestError(f"request {request_id}: {e}") from None
         metrics = RequestMetrics(arrival_time=time.perf_counter())
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**31))
         eos = frozenset() if params.ignore_eos or self.tokenizer is None else frozenset(self.tokenizer.eos_token_ids)
@@ -275,15 +284,10 @@ class LLMEngine:
             sequences.append(seq)
         state = RequestState(request_id, prompt, prompt_token_ids, sequences, metrics)
         self.requests[request_id] = state
-        if params.structured_outputs is None:
+        if future is None:
             for seq in sequences:
                 self.scheduler.add(seq)
         else:
-            try:
-                future = self.grammar_compiler.submit(params.structured_outputs)
-            except GrammarError as e:  # the compile queue is full
-                del self.requests[request_id]
-                raise RequestError(f"request {request_id}: {e}") from None
             if jax.process_count() > 1:
                 # Lockstep hosts must admit it in the same step: wait here, so that
                 # the next step finds the compile done (or failed) on every host.

@@ -7,7 +7,9 @@ scheduler, block manager and runner, and so calls the same compiled
 programs with the same host inputs in the same order; the params and the
 KV pool are global arrays sharded over every host's devices, and the
 sampled tokens come back replicated, so every host sees every output.
-Nothing extra crosses hosts beyond XLA's own collectives. A host-0
+Offline, nothing extra crosses hosts beyond XLA's own collectives (`jaxinfer
+serve` adds host 0's word on each step's adds and aborts, step_channel.py,
+and heartbeats, peer_watch.py, since only host 0 takes requests). A host-0
 scheduler would instead have to broadcast each step's batch (another
 collective per step) and keep the workers' programs in sync by hand.
 

@@ -90,4 +90,7 @@ async def compile_grammar(state: ServerState, name: str, params) -> None:
 
 async def score_prompt(state: ServerState, token_ids: list[int], k: int) -> list:
     """vLLM's prompt_logprobs: the prompt-scoring pass, off the event loop."""
+    if state.lockstep is not None:  # its forward would run on host 0 alone and wait for the other hosts forever
+        raise APIError(400, "prompt logprobs (prompt_logprobs, or echo with logprobs) are not computed in a "
+                            "multi-host run", "prompt_logprobs")
     return await state.work.scoring.run(prompt_logprobs, state.llm.model, state.llm.tokenizer, token_ids, k)

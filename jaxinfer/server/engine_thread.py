@@ -124,8 +124,9 @@ class EngineThread:
     """engine: an LLMEngine or DataParallelEngine (validate, add_request, step,
     abort, has_unfinished, stats). metrics: a ServerMetrics or None."""
 
-    def __init__(self, engine, metrics=None, max_queue: int | None = None):
+    def __init__(self, engine, metrics=None, max_queue: int | None = None, lockstep=None):
         self.engine = engine
+        self.lockstep = lockstep  # a multi-host run's lockstep.Leader (host 0), or None
         self.metrics = metrics
         self.max_queue = max_queue
         self.num_in_flight = 0  # sequences admitted and not yet finished (Reservation); event loop only
@@ -136,6 +137,8 @@ class EngineThread:
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
         self.stats: dict = engine.stats()  # the latest snapshot, written by the engine thread only
+        if lockstep is not None:
+            lockstep.bind(self)
 
     def start(self) -> None:
         self._thread.start()
@@ -224,6 +227,16 @@ class EngineThread:
         self._thread.join(timeout)
         return result[0] if result else 0
 
+    def lose_host(self, message: str) -> None:
+        """A lockstep host is gone (lockstep.Leader's watch, on its own thread):
+        refuse new work and fail every open request now, while this thread may
+        still be blocked in a step's collective that will never finish."""
+        self.fatal_error = self.fatal_error or message
+        outgoing: dict = {}
+        for tracked in list(self._tracked.values()):
+            self._queue(outgoing, tracked, EngineDead(self.fatal_error))
+        self._flush(outgoing)
+
     # -- the engine thread -------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -246,8 +259,12 @@ class EngineThread:
                     self._flush(outgoing)
                     self._shutdown(stop[1], stop[2])
                     return
+                if self.lockstep is not None:  # the other hosts apply the same adds and aborts first
+                    self.lockstep.publish(will_step=self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
+                    if self.lockstep is not None:
+                        self.lockstep.stepped()
                     now = time.perf_counter()
                     for output in outputs:
                         self._collect(output, now, outgoing)
@@ -255,7 +272,10 @@ class EngineThread:
                 self._flush(outgoing)
             except Exception as e:  # a failed step: every open request learns it, and the server stops serving
                 logger.exception("engine step failed; the server stops serving")
-                self.fatal_error = f"engine failure: {type(e).__name__}: {e}"
+                message = f"engine failure: {type(e).__name__}: {e}"
+                if self.lockstep is not None:  # a lost host breaks a step's collective: name it
+                    message = self.lockstep.explain(message)
+                self.fatal_error = self.fatal_error or message
                 outgoing = {}
                 for tracked in self._tracked.values():
                     self._queue(outgoing, tracked, EngineDead(self.fatal_error))
@@ -290,12 +310,16 @@ class EngineThread:
                 self._queue(outgoing, tracked, e)
                 return
             self._tracked[request.request_id] = tracked
+            if self.lockstep is not None:
+                self.lockstep.added(request)
             if self.metrics is not None:
                 self.metrics.on_request_added(len(request.prompt_token_ids))
         elif command[0] == "abort":
             request_id = command[1]
             if self._tracked.pop(request_id, None) is not None:
                 self.engine.abort(request_id)
+                if self.lockstep is not None:
+                    self.lockstep.aborted(request_id)
                 if self.metrics is not None:
                     self.metrics.on_request_finished("abort", None)
 
@@ -304,6 +328,9 @@ class EngineThread:
         if tracked is None:
             return
         if output.error:  # failed after it was accepted (a grammar that did not compile, a failed step)
+            if self.lockstep is not None and getattr(output, "internal_error", False):
+                # A failed step of a lockstep run (a lost host, most often) leaves the hosts out of step.
+                raise RuntimeError(output.error)
             del self._tracked[output.request_id]
             if self.metrics is not None:
                 self.metrics.on_request_finished("abort", now - tracked.arrival)
@@ -371,6 +398,8 @@ class EngineThread:
             if output is not None:  # its client gets finish_reason "abort" and what was generated
                 self._collect(output, time.perf_counter(), outgoing)
         self._tracked.clear()
+        if self.lockstep is not None:
+            self.lockstep.finish()
         self._refuse_queued(outgoing)
         self._flush(outgoing)
         done.set()

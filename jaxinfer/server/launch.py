@@ -54,16 +54,18 @@ class _Server(uvicorn.Server):
 
 def serve(load, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_queue: int | None = 1024, shutdown_timeout: float = 30.0, log_level: str = "info",
-          lora_modules=None, **app_options) -> None:
+          lora_modules=None, lockstep=None, **app_options) -> None:
     """Serve until a signal; `load()` returns the LLM (called in a background thread).
     lora_modules: {served name: LoRARequest}, served beside the base model.
-    app_options: build_app's chat_template, tool_call_parser and CORS options."""
+    app_options: build_app's chat_template, tool_call_parser and CORS options.
+    lockstep: host 0 of a multi-host run, its lockstep.Leader."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not is_loopback(host) and api_key is None:
         logger.warning("listening on %s without --api-key: anyone who can reach this port can use the model",
                        host)
     app = build_app(model_name=model_name, load=load, api_key=api_key, max_queue=max_queue,
                     lora_modules=lora_modules, **app_options)
+    app.state.server.lockstep = lockstep
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout + 5)
     server = _Server(config)

@@ -53,6 +53,7 @@ class ServerState:
         self.load_error: str | None = None
         self.sampling_defaults: dict = {}
         self.max_prompt_chars: int | None = None
+        self.lockstep = None  # host 0 of a multi-host run: its lockstep.Leader (set before start)
 
     def attach(self, llm) -> None:
         """Serve this LLM: start the engine thread over the engine it holds (one or data-parallel)."""
@@ -63,7 +64,7 @@ class ServerState:
             self.max_prompt_chars = llm.max_model_len * llm.tokenizer.max_token_chars * PROMPT_CHARS_SLACK
             if self.tool_call_parser is None:
                 self.tool_call_parser = detect_parser(self.chat_template or llm.tokenizer.chat_template)
-        engine = EngineThread(llm.engine, self.metrics, self.max_queue)
+        engine = EngineThread(llm.engine, self.metrics, self.max_queue, lockstep=self.lockstep)
         engine.start()
         self.llm, self.engine = llm, engine
         logger.info("serving %s (max_model_len %d, tool-call parser %s)", self.model_name, llm.max_model_len,
@@ -92,6 +93,8 @@ class ServerState:
         self.work.shutdown()
 
     def ready(self) -> EngineThread:
+        if self.lockstep is not None and self.lockstep.lost is not None:
+            raise APIError(503, self.lockstep.lost, code="host_lost")
         if self.engine is None:
             raise APIError(503, self.load_error or "the model is still loading", code="not_ready")
         if not self.engine.alive:
