@@ -18,19 +18,32 @@ Algorithm:
     Q * group query rows that read it (row r = query r // group, head
     kv_head * group + r % group), padded to a power of two >= 16 so that both
     dots are legal under Triton. K/V are read once per KV head, not per head.
-  * Split-k: grid (S, KVH, num_splits). Split j covers a contiguous range of
-    blocks_per_split blocks, so one long sequence still spreads over many
-    programs. num_splits is static (from max_blocks); splits that start past a
-    sequence's context run zero iterations and report lse = -inf.
+  * Split-k: grid (S, KVH, num_splits) with a small static num_splits chosen
+    from the step's shape (S x KVH), never from the block table's width:
+    enough programs in all (about 256, a few per SM) to fill a GPU, so a lone
+    sequence with 8 KV heads gets 32 splits and 32 or more sequences get one
+    (no merge). Sizing splits by the table instead (a fixed number of tokens
+    each) would make a 131k max_model_len cost 256 splits per KV head, each writing
+    and the merge reading a partial block, whatever the contexts. Each
+    split takes a dynamic, contiguous share of its own sequence's visible tiles,
+    ceil(visible tiles / num_splits), computed in the kernel from context_len
+    (and the sliding window). So the programs, the partial outputs and the
+    merge are sized by the batch, and the keys walked by its contexts: a
+    table sized for max_model_len costs nothing but its own bytes, and needs no
+    padding (block-table reads past its last column are clamped; the keys they
+    would serve lie past the context and are masked). Splits left without a
+    tile (context shorter than num_splits tiles) run zero iterations and
+    report lse = -inf.
   * Inside a split, an online softmax walks tiles of blocks_per_tile blocks.
     The tile's per-token block ids are assembled from scalar block-table reads,
     and K/V rows are gathered straight out of the full pool at
     [layer, block_id, slot, kv_head, :], so no layer slice is ever
-    materialized and no reshape happens in the kernel. The loop runs only over
-    tiles that can hold visible keys (dynamic trip count, so it stops at the
-    context length and skips tiles before the sliding window).
-  * Each split writes its normalized partial output and its log-sum-exp; the
-    splits are merged outside the kernel in jnp with a log-sum-exp merge.
+    materialized and no reshape happens in the kernel. The loop's trip count is
+    dynamic, so it never visits a tile past the context or before the window.
+  * With several splits each writes its normalized partial output and its
+    log-sum-exp, merged outside the kernel in jnp with a log-sum-exp merge
+    (an lse of -inf weighs 0). With one split the kernel writes the final
+    output in q's dtype and there is no merge.
 
 NaN safety: cache slots past a context (and the null block, other layers) may
 hold anything, NaN included. K/V/scale loads are masked with other=0 for dead
@@ -51,16 +64,21 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._common import MIN_DOT_DIM, check_kv_pool, defaults_for, is_power_of_two, next_power_of_two
 
-# Per head_dim: (tokens per tile, tokens per split, num_warps, num_stages).
-# Tiles shrink as head_dim grows to keep the [tile, head_dim] K and V tiles
-# (plus the packed query rows) in registers; 512 tokens per split gives a long
-# context (4k-32k) 8-64 programs per KV head, enough to fill an H100 with a
-# single sequence, while short batches see one split and skip the merge.
+# Per head_dim: (tokens per tile, num_warps, num_stages). Tiles shrink as
+# head_dim grows to keep the [tile, head_dim] K and V tiles (plus the packed
+# query rows) in registers.
 _DEFAULTS_BY_HEAD_DIM = {
-    64: (128, 512, 4, 2),
-    128: (64, 512, 4, 2),
-    256: (32, 512, 8, 2),
+    64: (128, 4, 2),
+    128: (64, 4, 2),
+    256: (32, 8, 2),
 }
+# Programs (sequence x KV head x split) a step aims at: a few per SM of an H100
+# (132 SMs), so one sequence still fills the GPU while a batch of 32 sequences
+# with 8 KV heads already does without splitting.
+_TARGET_PROGRAMS = 256
+# Beyond this the merge (num_splits partial blocks per row) outweighs what
+# another split adds, even for one sequence with one KV head (a head shard).
+_MAX_SPLITS = 64
 # The Triton lowering runs float32 dots as TF32 unless told otherwise; HIGHEST
 # makes them IEEE float32 (bf16 operands are unaffected).
 _DOT_PRECISION = lax.Precision.HIGHEST
@@ -70,67 +88,68 @@ def _previous_power_of_two(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+def default_num_splits(num_seqs: int, num_kv_heads: int) -> int:
+    """Splits per (sequence, KV head): the power of two that brings the grid
+    nearest _TARGET_PROGRAMS from below, at least 1 and at most _MAX_SPLITS."""
+    return min(_MAX_SPLITS, _previous_power_of_two(_TARGET_PROGRAMS // max(1, num_seqs * num_kv_heads)))
+
+
 def decode_tiling(
     head_dim: int,
     block_size: int,
-    max_blocks: int,
+    num_seqs: int,
+    num_kv_heads: int,
     *,
     blocks_per_tile: int | None = None,
-    blocks_per_split: int | None = None,
     num_splits: int | None = None,
-) -> tuple[int, int, int]:
-    """The static (blocks_per_tile, blocks_per_split, num_splits) the kernel uses.
+) -> tuple[int, int]:
+    """The static (blocks_per_tile, num_splits) the kernel uses; the grid is
+    (num_seqs, num_kv_heads, num_splits). Neither depends on the block table's
+    width: a split's share of the keys is dynamic (see the module docstring).
 
-    Requested values are honoured where legal: a split holds whole tiles, a tile
-    holds at least 16 tokens, and no split lies wholly past max_blocks, so the
-    resulting num_splits may be lower than a requested one.
+    A requested tile must be a power of two of at least 16 tokens (Triton's
+    smallest dot); a requested num_splits >= 1 is used as given.
     """
-    if blocks_per_split is not None and num_splits is not None:
-        raise ValueError("give blocks_per_split or num_splits, not both")
-    default_tile_tokens, default_split_tokens, _, _ = defaults_for(_DEFAULTS_BY_HEAD_DIM, head_dim)
+    default_tile_tokens, _, _ = defaults_for(_DEFAULTS_BY_HEAD_DIM, head_dim)
     min_blocks_per_tile = max(1, MIN_DOT_DIM // block_size)
-    if num_splits is not None:
-        blocks_per_split = pl.cdiv(max_blocks, num_splits)
-    elif blocks_per_split is None:
-        blocks_per_split = max(1, default_split_tokens // block_size)
-    blocks_per_split = max(1, min(blocks_per_split, max_blocks))
     if blocks_per_tile is None:
-        # Tiles no wider than a split, so that small splits stay small.
-        blocks_per_tile = min(max(1, default_tile_tokens // block_size), _previous_power_of_two(blocks_per_split))
-        blocks_per_tile = max(blocks_per_tile, min_blocks_per_tile)
+        blocks_per_tile = max(1, default_tile_tokens // block_size, min_blocks_per_tile)
     if not is_power_of_two(blocks_per_tile) or blocks_per_tile < min_blocks_per_tile:
         raise ValueError(
             f"blocks_per_tile={blocks_per_tile} must be a power of two with "
             f"blocks_per_tile * block_size >= {MIN_DOT_DIM}"
         )
-    blocks_per_split = pl.cdiv(blocks_per_split, blocks_per_tile) * blocks_per_tile
-    return blocks_per_tile, blocks_per_split, pl.cdiv(max_blocks, blocks_per_split)
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return blocks_per_tile, num_splits
 
 
 def _decode_kernel(
     layer_index_ref,  # [1] int32
     context_lens_ref,  # [S] int32
-    block_tables_ref,  # [S, num_splits * blocks_per_split] int32
+    block_tables_ref,  # [S, max_blocks] int32
     q_ref,  # [rows, D] packed query rows of this (sequence, kv head)
     k_pool_ref,  # [L, N, B, KVH, D] whole pool
     v_pool_ref,  # [L, N, B, KVH, D] whole pool
     k_scales_ref,  # [L, N, B, KVH] or None
     v_scales_ref,  # [L, N, B, KVH] or None
-    out_ref,  # [rows, D] float32, normalized partial output of this split
-    lse_ref,  # [rows] float32, log-sum-exp of this split (-inf: no keys)
+    out_ref,  # [rows, D] normalized output of this split (float32), or final (q's dtype) with one split
+    lse_ref,  # [rows] float32, log-sum-exp of this split (-inf: no keys); None with one split
     *,
     num_queries: int,
     group: int,
     block_size: int,
     blocks_per_tile: int,
-    blocks_per_split: int,
+    num_splits: int,
     sliding_window: int | None,
     compute_dtype,
 ):
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_rows, head_dim = q_ref.shape
+    max_blocks = block_tables_ref.shape[1]
     tile_tokens = blocks_per_tile * block_size
-    split_tokens = blocks_per_split * block_size
     sm_scale = head_dim**-0.5
 
     layer = layer_index_ref[0]
@@ -141,10 +160,14 @@ def _decode_kernel(
     else:
         first_visible = jnp.maximum(context_len - num_queries - sliding_window + 1, 0)
 
-    split_start = split * split_tokens
-    live_end = jnp.clip(context_len - split_start, 0, split_tokens)
-    first_tile = jnp.clip(first_visible - split_start, 0, split_tokens) // tile_tokens
-    num_tiles = jnp.maximum(pl.cdiv(live_end, tile_tokens) - first_tile, 0)
+    # This split's share of the tiles that hold visible keys: the sequence's
+    # own context decides the work, the table's width does not.
+    first_seq_tile = lax.div(first_visible, tile_tokens)
+    end_seq_tile = lax.div(context_len + tile_tokens - 1, tile_tokens)
+    seq_tiles = jnp.maximum(end_seq_tile - first_seq_tile, 0)
+    tiles_per_split = lax.div(seq_tiles + num_splits - 1, num_splits)
+    first_tile = first_seq_tile + split * tiles_per_split
+    num_tiles = jnp.clip(end_seq_tile - first_tile, 0, tiles_per_split)
 
     row_pos = context_len - num_queries + jnp.arange(num_rows, dtype=jnp.int32) // group
     token_in_tile = jnp.arange(tile_tokens, dtype=jnp.int32)
@@ -158,12 +181,14 @@ def _decode_kernel(
 
     def tile_step(i, carry):
         acc, row_max, row_sum = carry
-        tile_first_block = split * blocks_per_split + (first_tile + i) * blocks_per_tile
+        tile_first_block = (first_tile + i) * blocks_per_tile
         key_pos = tile_first_block * block_size + token_in_tile
         # Per-token block ids from scalar block-table reads (no in-kernel reshape).
+        # The last tile may reach past the table; those keys lie past the context
+        # (masked below), so a clamped read serves them instead of a padded table.
         block_ids = jnp.zeros((tile_tokens,), jnp.int32)
         for b in range(blocks_per_tile):
-            block_id = block_tables_ref[seq, tile_first_block + b]
+            block_id = block_tables_ref[seq, jnp.minimum(tile_first_block + b, max_blocks - 1)]
             block_ids = jnp.where(block_in_tile == b, block_id, block_ids)
         key_live = (key_pos >= first_visible) & (key_pos < context_len)
 
@@ -228,8 +253,14 @@ def _decode_kernel(
     acc, row_max, row_sum = lax.fori_loop(0, num_tiles, tile_step, (acc, row_max, row_sum))
 
     has_keys = row_sum > 0.0
-    out_ref[...] = acc / jnp.where(has_keys, row_sum, 1.0)[:, None]
-    lse_ref[...] = jnp.where(has_keys, row_max + jnp.log(jnp.where(has_keys, row_sum, 1.0)), -jnp.inf)
+    out_ref[...] = (acc / jnp.where(has_keys, row_sum, 1.0)[:, None]).astype(out_ref.dtype)
+    if lse_ref is not None:
+        lse_ref[...] = jnp.where(has_keys, row_max + jnp.log(jnp.where(has_keys, row_sum, 1.0)), -jnp.inf)
+
+
+def _single_split_kernel(kernel, *refs):
+    """The kernel with no log-sum-exp output (one split needs no merge)."""
+    kernel(*refs, None)
 
 
 def _merge_splits(partial_out, partial_lse):
@@ -248,7 +279,6 @@ def _merge_splits(partial_out, partial_lse):
     static_argnames=(
         "sliding_window",
         "blocks_per_tile",
-        "blocks_per_split",
         "num_splits",
         "num_warps",
         "num_stages",
@@ -267,7 +297,6 @@ def paged_decode_attention(
     v_scales=None,
     sliding_window: int | None = None,
     blocks_per_tile: int | None = None,
-    blocks_per_split: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -278,33 +307,26 @@ def paged_decode_attention(
     Tuning (all static, defaults from a per-head_dim table):
       blocks_per_tile: blocks per online-softmax step; a power of two with
         blocks_per_tile * block_size >= 16.
-      blocks_per_split / num_splits: split-k granularity (give at most one);
-        num_splits = ceil(max_blocks / blocks_per_split).
+      num_splits: programs per (sequence, KV head), each walking a dynamic
+        share of its sequence's visible tiles; by default from the batch's
+        shape (default_num_splits), never from the table's width.
       num_warps, num_stages: Triton compiler parameters.
     """
     num_seqs, num_queries, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_pool.shape
-    max_blocks = block_tables.shape[1]
     quantized = check_kv_pool(num_heads, head_dim, k_pool, v_pool, k_scales, v_scales)
     if not is_power_of_two(block_size):
         raise ValueError(f"block_size {block_size} must be a power of two")
 
     group = num_heads // num_kv_heads
-    blocks_per_tile, blocks_per_split, num_splits = decode_tiling(
-        head_dim,
-        block_size,
-        max_blocks,
-        blocks_per_tile=blocks_per_tile,
-        blocks_per_split=blocks_per_split,
-        num_splits=num_splits,
+    blocks_per_tile, num_splits = decode_tiling(
+        head_dim, block_size, num_seqs, num_kv_heads, blocks_per_tile=blocks_per_tile, num_splits=num_splits
     )
-    _, _, default_warps, default_stages = defaults_for(_DEFAULTS_BY_HEAD_DIM, head_dim)
+    _, default_warps, default_stages = defaults_for(_DEFAULTS_BY_HEAD_DIM, head_dim)
     num_warps = default_warps if num_warps is None else num_warps
     num_stages = default_stages if num_stages is None else num_stages
 
-    # Pad the table so every tile of every split reads in-bounds entries (null block).
-    padded_blocks = num_splits * blocks_per_split
-    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_blocks - max_blocks)))
+    block_tables = block_tables.astype(jnp.int32)
     context_lens = context_lens.astype(jnp.int32)
     layer_index = jnp.asarray(layer_index, jnp.int32).reshape(1)
 
@@ -323,14 +345,26 @@ def paged_decode_attention(
         group=group,
         block_size=block_size,
         blocks_per_tile=blocks_per_tile,
-        blocks_per_split=blocks_per_split,
+        num_splits=num_splits,
         sliding_window=sliding_window,
         compute_dtype=compute_dtype,
     )
     whole = pl.BlockSpec()  # no block_shape: the kernel sees the whole array
     scale_spec = whole if quantized else None
-    partial_out, partial_lse = pl.pallas_call(
-        kernel,
+    split_out = pl.BlockSpec((None, None, None, padded_rows, head_dim), lambda s, h, j: (s, h, j, 0, 0))
+    split_lse = pl.BlockSpec((None, None, None, padded_rows), lambda s, h, j: (s, h, j, 0))
+    if num_splits == 1:
+        # One split sees every key: its normalized output is final, in q's dtype.
+        out_specs = [split_out]
+        out_shape = [jax.ShapeDtypeStruct((num_seqs, num_kv_heads, 1, padded_rows, head_dim), q.dtype)]
+    else:
+        out_specs = [split_out, split_lse]
+        out_shape = [
+            jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, padded_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, padded_rows), jnp.float32),
+        ]
+    outputs = pl.pallas_call(
+        kernel if num_splits > 1 else functools.partial(_single_split_kernel, kernel),
         grid=(num_seqs, num_kv_heads, num_splits),
         in_specs=[
             whole,  # layer_index
@@ -342,23 +376,17 @@ def paged_decode_attention(
             scale_spec,  # k_scales
             scale_spec,  # v_scales
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, padded_rows, head_dim), lambda s, h, j: (s, h, j, 0, 0)),
-            pl.BlockSpec((None, None, None, padded_rows), lambda s, h, j: (s, h, j, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, padded_rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, padded_rows), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_decode_attention_bpt{blocks_per_tile}_bps{blocks_per_split}",
+        name=f"paged_decode_attention_bpt{blocks_per_tile}_splits{num_splits}",
     )(layer_index, context_lens, block_tables, packed_q, k_pool, v_pool, k_scales, v_scales)
 
     if num_splits == 1:
-        out = partial_out[:, :, 0]
+        out = outputs[0][:, :, 0]
     else:
-        out = _merge_splits(partial_out, partial_lse)
+        out = _merge_splits(*outputs)
     out = out[:, :, :rows].reshape(num_seqs, num_kv_heads, num_queries, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(num_seqs, num_queries, num_heads, head_dim).astype(q.dtype)
 
@@ -414,4 +442,4 @@ def paged_decode_attention_reference(
     return out.reshape(num_seqs, num_queries, num_heads, head_dim).astype(q.dtype)
 
 
-__all__ = ["decode_tiling", "paged_decode_attention", "paged_decode_attention_reference"]
+__all__ = ["decode_tiling", "default_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]

@@ -43,6 +43,9 @@ token count, first position) is computed in jnp from query_start outside the
 kernel; tiles never cross sequences and unused tiles have 0 tokens and do
 nothing. Each tile stores only its own rows (masked store); rows nobody owns
 (padding) are zeroed by a where() after the call.
+The grid and the output follow the step's query rows and sequences only; the
+block table is read in place, never padded, and its width (max_model_len)
+sizes nothing but itself, while the keys walked follow each tile's context.
 
 Algorithm per program: load the q tile once, then an online softmax (exp2,
 float32 statistics) over KV tiles of block_kv tokens. The loop range is

@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_decode_attention import (
+    _MAX_SPLITS,
+    _TARGET_PROGRAMS,
     decode_tiling,
+    default_num_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
@@ -150,8 +153,8 @@ def test_kernel_matches_reference_and_float64(case_index):
     )
     expected = float64_attention(inputs["q"], context_lens, dense_k, dense_v, group, sliding_window)
 
-    # Small splits so that every case also exercises the split merge.
-    out = paged_decode_attention(**inputs, sliding_window=sliding_window, blocks_per_split=4, interpret=True)
+    # Several splits so that every case also exercises the split merge.
+    out = paged_decode_attention(**inputs, sliding_window=sliding_window, num_splits=3, interpret=True)
     reference = paged_decode_attention_reference(**inputs, sliding_window=sliding_window)
     assert out.shape == inputs["q"].shape and out.dtype == q_dtype
     check_against_truth(out, expected, q_dtype)
@@ -185,7 +188,7 @@ def test_random_configurations(seed):
         q_dtype=q_dtype,
     )
     expected = float64_attention(inputs["q"], context_lens, dense_k, dense_v, group, sliding_window)
-    out = paged_decode_attention(**inputs, sliding_window=sliding_window, blocks_per_split=2, interpret=True)
+    out = paged_decode_attention(**inputs, sliding_window=sliding_window, num_splits=1 + seed, interpret=True)
     check_against_truth(out, expected, q_dtype)
     check_against_truth(paged_decode_attention_reference(**inputs, sliding_window=sliding_window), expected, q_dtype)
 
@@ -212,9 +215,9 @@ def long_and_short_case(sliding_window):
 @pytest.mark.parametrize("sliding_window", [None, 45])
 def test_split_count_does_not_change_the_result(sliding_window):
     inputs, expected, context_lens = long_and_short_case(sliding_window)
-    max_blocks = inputs["block_tables"].shape[1]
+    num_seqs, num_kv_heads = inputs["q"].shape[0], inputs["k_pool"].shape[3]
     tilings = [dict(num_splits=1, blocks_per_tile=2), dict(num_splits=5, blocks_per_tile=2)]
-    assert [decode_tiling(64, 8, max_blocks, **t)[2] for t in tilings] == [1, 5]
+    assert [decode_tiling(64, 8, num_seqs, num_kv_heads, **t)[1] for t in tilings] == [1, 5]
 
     single, split = (
         np.asarray(paged_decode_attention(**inputs, sliding_window=sliding_window, interpret=True, **t))
@@ -236,16 +239,132 @@ def test_default_tuning_matches_float64():
 def test_decode_tiling_respects_triton_limits():
     for head_dim in (64, 128):
         for block_size in (8, 16, 32):
-            for max_blocks in (1, 3, 17, 256):
-                blocks_per_tile, blocks_per_split, num_splits = decode_tiling(head_dim, block_size, max_blocks)
-                tile_tokens = blocks_per_tile * block_size
-                assert tile_tokens >= 16 and tile_tokens & (tile_tokens - 1) == 0
-                assert blocks_per_split % blocks_per_tile == 0
-                assert (num_splits - 1) * blocks_per_split < max_blocks <= num_splits * blocks_per_split
-    # A long context spreads over several splits by default.
-    assert decode_tiling(128, 16, 2048)[2] > 1
+            blocks_per_tile, _ = decode_tiling(head_dim, block_size, 4, 8)
+            tile_tokens = blocks_per_tile * block_size
+            assert tile_tokens >= 16 and tile_tokens & (tile_tokens - 1) == 0
     with pytest.raises(ValueError):
-        decode_tiling(64, 8, 16, blocks_per_tile=1)  # 8-token tile: too small for a Triton dot
+        decode_tiling(64, 8, 4, 8, blocks_per_tile=1)  # 8-token tile: too small for a Triton dot
+    with pytest.raises(ValueError):
+        decode_tiling(64, 8, 4, 8, num_splits=0)
+
+
+def test_split_count_fills_the_gpu_from_the_batch_shape():
+    """The default split count comes from sequences x KV heads alone: a lone
+    sequence spreads over many programs, a large batch is not split."""
+    assert default_num_splits(1, 8) == 32
+    assert default_num_splits(64, 8) == 1
+    assert default_num_splits(1, 1) == _MAX_SPLITS
+    for num_seqs in (1, 2, 3, 7, 16, 33, 64, 256):
+        for num_kv_heads in (1, 2, 8):
+            num_splits = default_num_splits(num_seqs, num_kv_heads)
+            programs = num_seqs * num_kv_heads * num_splits
+            assert num_splits >= 1 and num_splits & (num_splits - 1) == 0
+            # Never more programs than the target unless the batch alone exceeds it,
+            # and a doubling would overshoot it (or hit the cap).
+            assert programs <= max(_TARGET_PROGRAMS, num_seqs * num_kv_heads)
+            assert 2 * programs > _TARGET_PROGRAMS or num_splits == _MAX_SPLITS
+
+
+def widened(inputs, max_blocks, rng):
+    """The same batch with its block table widened (or cut) to max_blocks
+    columns: the columns past each sequence's blocks point at random blocks,
+    poisoned or owned by other sequences, which the kernel must never read into
+    a live key."""
+    table = np.asarray(inputs["block_tables"])
+    num_blocks = inputs["k_pool"].shape[1]
+    wide = rng.integers(0, num_blocks, (table.shape[0], max_blocks)).astype(np.int32)
+    used = -(-np.asarray(inputs["context_lens"]) // inputs["k_pool"].shape[2])
+    for s, n in enumerate(used):
+        wide[s, :n] = table[s, :n]
+    return {**inputs, "block_tables": jnp.asarray(wide)}
+
+
+# The split counts default_num_splits can return.
+CHOOSER_SPLITS = sorted({default_num_splits(n, 1) for n in range(1, 2 * _TARGET_PROGRAMS)})
+
+
+def narrow_case(sliding_window):
+    """Contexts that fit an 8-block table (block size 16), small head_dim, GQA 4."""
+    context_lens = [128, 37, 0, 2]
+    rng = np.random.default_rng(7)
+    inputs, dense_k, dense_v = build_case(
+        rng, context_lens, num_queries=2, num_kv_heads=2, group=4, head_dim=16, block_size=16,
+        kv_dtype="float32", q_dtype=jnp.float32,
+    )
+    expected = float64_attention(inputs["q"], context_lens, dense_k, dense_v, 4, sliding_window)
+    return inputs, expected
+
+
+@pytest.mark.parametrize("max_blocks", [8, 64, 1024])
+def test_table_width_does_not_change_the_result(max_blocks):
+    """Same contexts, tables of 8, 64 and 1024 columns, match float64 with
+    16-token tiles (a 128-token context spans 8 tiles, so the larger split
+    counts leave splits with no key): at every split count the chooser can
+    pick on the widest table, at the extremes on the others."""
+    assert CHOOSER_SPLITS == [1 << i for i in range(_MAX_SPLITS.bit_length())]
+    inputs, expected = narrow_case(None)
+    inputs = widened(inputs, max_blocks, np.random.default_rng(max_blocks))
+    split_counts = CHOOSER_SPLITS if max_blocks == 1024 else [1, _MAX_SPLITS]
+    for num_splits in split_counts:
+        out = paged_decode_attention(**inputs, num_splits=num_splits, blocks_per_tile=1, interpret=True)
+        check_against_truth(out, expected, jnp.float32)
+    if max_blocks == 1024:
+        check_against_truth(paged_decode_attention_reference(**inputs), expected, jnp.float32)
+    # The default tiling, and a sliding window whose visible tiles are shared out.
+    check_against_truth(paged_decode_attention(**inputs, interpret=True), expected, jnp.float32)
+    windowed_inputs, windowed = narrow_case(45)
+    windowed_inputs = widened(windowed_inputs, max_blocks, np.random.default_rng(max_blocks))
+    out = paged_decode_attention(**windowed_inputs, sliding_window=45, num_splits=4, blocks_per_tile=1, interpret=True)
+    check_against_truth(out, windowed, jnp.float32)
+
+
+def pallas_calls(jaxpr):
+    """Every pallas_call equation in a jaxpr, through nested jit bodies."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+            continue
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from pallas_calls(inner)
+
+
+def decode_call_shape(num_seqs, num_kv_heads, group, head_dim, block_size, max_blocks, dtype=jnp.bfloat16):
+    """(grid, output bytes) of the decode kernel's pallas_call for these shapes,
+    read from the traced program (abstract inputs: nothing is allocated)."""
+    pool = jax.ShapeDtypeStruct((2, 64, block_size, num_kv_heads, head_dim), dtype)
+    args = (
+        jax.ShapeDtypeStruct((num_seqs, 1, num_kv_heads * group, head_dim), dtype),
+        pool,
+        pool,
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs, max_blocks), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+    )
+    jaxpr = jax.make_jaxpr(lambda *a: paged_decode_attention(*a, interpret=True))(*args)
+    (call,) = pallas_calls(jaxpr.jaxpr)
+    out_bytes = sum(v.aval.size * v.aval.dtype.itemsize for v in call.outvars)
+    return tuple(call.params["grid_mapping"].grid), out_bytes
+
+
+def test_grid_and_output_bytes_do_not_grow_with_the_table():
+    """The kernel's grid and the bytes its programs write, for a table sized
+    for 128 tokens up to one sized for 131,072, stay those of the batch's shape."""
+    for num_seqs in (1, 4, 64):
+        shapes = {decode_call_shape(num_seqs, 8, 4, 128, 16, max_blocks) for max_blocks in (8, 64, 1024, 8192)}
+        assert len(shapes) == 1, shapes
+        ((grid, out_bytes),) = shapes
+        num_splits = default_num_splits(num_seqs, 8)
+        assert grid == (num_seqs, 8, num_splits)
+        # 4 query rows per KV head are padded to Triton's 16.
+        if num_splits == 1:
+            # One split writes the final output in q's dtype (bf16), no log-sum-exp.
+            assert out_bytes == num_seqs * 8 * 16 * 128 * 2
+        else:
+            assert out_bytes == num_seqs * 8 * num_splits * 16 * (128 + 1) * 4
+    # Batch 1 with 8 KV heads: 32 splits and 2 MiB of partials, at any max_model_len.
+    assert decode_call_shape(1, 8, 4, 128, 16, 8192) == ((1, 8, 32), 8 * 32 * 16 * 129 * 4)
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "int8"),
@@ -260,8 +379,11 @@ def test_lowers_to_triton_for_cuda(q_dtype, kv_dtype):
         kv_dtype=kv_dtype, q_dtype=q_dtype,
     )
 
-    def attention(inputs):
-        return paged_decode_attention(**inputs, sliding_window=9, blocks_per_split=2)
+    # One split (final output, no log-sum-exp) and several (partials to merge).
+    for num_splits in (1, 2):
 
-    lowered = jax.jit(attention).trace(inputs).lower(lowering_platforms=("cuda",))
-    assert "triton" in lowered.as_text()
+        def attention(inputs):
+            return paged_decode_attention(**inputs, sliding_window=9, num_splits=num_splits)
+
+        lowered = jax.jit(attention).trace(inputs).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()

@@ -18,6 +18,7 @@ from pallas_kernels.paged_prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_reference,
 )
+from tests.kernels.test_pallas_decode_attention import pallas_calls
 
 NUM_LAYERS = 3
 LAYER_INDEX = 1  # poisoned layers on both sides
@@ -274,6 +275,46 @@ def test_metadata_values_are_traced_not_baked_in():
                                [dense_v[0][:19], dense_v[1]], 1, None)
     np.testing.assert_allclose(np.asarray(second), expected, atol=5e-5, rtol=1e-4)
     assert not np.allclose(np.asarray(first)[:5], np.asarray(second)[:5])
+
+
+def with_table_width(args, max_blocks, block_size, rng):
+    """args with the block table widened to max_blocks columns; the columns past
+    each sequence's blocks point at random (poisoned or foreign) blocks."""
+    table = np.asarray(args[4])
+    num_blocks = args[1].shape[1]
+    wide = rng.integers(0, num_blocks, (table.shape[0], max_blocks)).astype(np.int32)
+    for s, context_len in enumerate(np.asarray(args[5])):
+        used = -(-int(context_len) // block_size)
+        wide[s, :used] = table[s, :used]
+    return (*args[:4], jnp.asarray(wide), *args[5:])
+
+
+WIDTH_CHUNKS = [(128, 30), (20, 1), (0, 0), (60, 60), (90, 0)]  # all fit 8 blocks of 16
+
+
+def test_table_width_does_not_change_the_result_or_the_grid():
+    """Same chunks and contexts with tables of 8, 64 and 1024 columns: the same
+    float64-checked output, and the same kernel grid and output bytes (read from
+    the traced program): nothing about the call follows the table's width."""
+    rng = np.random.default_rng(21)
+    args, _, dense_k, dense_v = make_batch(
+        rng, WIDTH_CHUNKS, block_size=16, num_kv_heads=2, group=4, head_dim=16, q_dtype="float32",
+        kv_kind="float32", pad_rows=2,
+    )
+    expected = numpy_attention(args[0], WIDTH_CHUNKS, np.asarray(args[6]), dense_k, dense_v, 4, None)
+    def attention(*args):
+        return paged_prefill_attention(*args, block_q=16, block_kv=16, interpret=True)
+
+    calls = set()
+    for max_blocks in (8, 64, 1024):
+        wide_args = with_table_width(args, max_blocks, 16, np.random.default_rng(max_blocks))
+        np.testing.assert_allclose(np.asarray(attention(*wide_args)), expected, atol=5e-5, rtol=1e-4)
+        jaxpr = jax.make_jaxpr(attention)(*wide_args)
+        (call,) = pallas_calls(jaxpr.jaxpr)
+        out_bytes = sum(v.aval.size * v.aval.dtype.itemsize for v in call.outvars)
+        calls.add((tuple(call.params["grid_mapping"].grid), out_bytes))
+    # One program per (query tile, KV head); the output is q itself.
+    assert calls == {((_num_q_tiles(args[0].shape[0], len(WIDTH_CHUNKS), 16 // 4), 2), args[0].size * 4)}
 
 
 @pytest.mark.parametrize("q_dtype,kv_kind", [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "int8"),
