@@ -75,6 +75,14 @@ class GpuBackend(XlaBackend):
         tracing, so each layer's program holds only its own kind."""
         return chosen() if int(layer_index) in layers else other()
 
+    def compiler_options(self) -> dict | None:
+        """XLA's GPU dot merger (threshold 32 MB by default) turns dots that
+        share an input into one dot over a concatenated weight: q/k/v, and
+        gate/up, would be copied into a new weight on every step, an extra
+        read and write of those weights in a step bound by reading them.
+        Threshold 0 merges none: each weight is read once, in place."""
+        return {"xla_gpu_dot_merger_threshold_mb": 0}
+
     def decode_buckets(self, max_num_seqs: int) -> list[int]:
         """Powers of four (and the largest): each is a whole unrolled model to
         compile, and a decode step is bound by reading the weights, which

@@ -205,7 +205,8 @@ class CompiledPrograms:
         if executable is None:
             if self.warmed_up:
                 log.error("compilation after warm-up of %s: a shape escaped bucketing", program)
-            executable = self._executables[program] = self._lower(program, fn, args, statics).compile()
+            lowered = self._lower(program, fn, args, statics)
+            executable = self._executables[program] = lowered.compile(self.backend.compiler_options())
         return executable
 
 

@@ -66,7 +66,7 @@ from jaxinfer.parallel.mesh import CONTEXT_AXIS, MODEL_AXIS, context_parallel_si
 def ring_cache_attention(meta: PagedAttentionMetadata, sliding_window=None, decode: bool = False, mesh=None,
                          tile_blocks: int = 8) -> AttentionFn:
     """The model-facing attention of a step on a ("context", "model") mesh
-    (same contract as paged_attention.paged_cache_attention; float pool)."""
+    (the contract of backends/attention.py's over_paged_pool attention; float pool)."""
     num_devices = context_parallel_size(mesh)
     rows = P(None, MODEL_AXIS, None) if decode else P(CONTEXT_AXIS, MODEL_AXIS, None)
     pool = P(None, CONTEXT_AXIS, None, MODEL_AXIS, None)

@@ -1,20 +1,27 @@
 """The engine on an 8B-shaped checkpoint on one GPU (scripts/gpu_check.sh):
-start-up, decode latency per batch, offline throughput, and the host's share
-of the step time, as JSON.
+start-up, decode latency per batch, a long-context request, offline
+throughput, the host's share of the step time, and what the compiled decode
+step launches, as JSON (written after every part: a run cut short by its time
+limit keeps what it measured).
 
-    python scripts/gpu/e2e.py DIR OUT.json [--backend gpu|xla] [--batches 1,16,64] [--throughput]
-                                            [--start-only]
+    python scripts/gpu/e2e.py DIR OUT.json [--backend gpu|xla] [--max-model-len N] [--batches 1,16,64]
+                              [--long-context 32768] [--throughput 256] [--start-only] [--deadline S]
+                              [--hlo-dir DIR]
 
---backend xla runs the plain XLA reference backend (layers under a scan over
-stacked weights: the engine's GPU path before the backend seam) for a
-before/after in the same run. Times from this script's first line: the
-process start to the engine serving (largest buckets compiled) and to every
-program compiled. Weight-read time = the weights a one-row step reads at the
-device copy bandwidth measured here (read + write bytes counted).
+No --max-model-len: the engine's default, the model config's own context
+(131,072 for Llama-3.1), as a user who sets no option meets it. --backend
+xla runs the plain XLA reference backend (layers under a scan over stacked
+weights) for a before/after in the same run. Times from this script's first
+line: the process start to the engine serving (largest buckets compiled) and
+to every program compiled. Weight-read time = the weights a one-row step reads
+at the device copy bandwidth measured here (read + write bytes counted).
 
-Host share of a decode step = 1 - (the step's device programs, forward and
-sampler, queued back to back with no host work between them) / (the
-engine's step time): the share of a step the device waits for the host.
+Device step = the step's device programs (forward and sampler) queued back to
+back with no host work between them; host share = 1 - device step / the
+engine's median step time: the share of a step the device waits for the host.
+The compiled decode step of each batch (scripts/gpu/compiled_hlo.py): its
+kernels per layer, the weights it copies or concatenates (XLA's dot merger
+would), and the bytes the decode attention's kernels write per step.
 """
 
 import time
@@ -22,7 +29,12 @@ import time
 START = time.time()
 
 import argparse  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 
@@ -31,6 +43,13 @@ from jaxinfer.backends import XlaBackend  # noqa: E402
 from jaxinfer.bench_timing import copy_bandwidth_gbs, weight_bytes_per_step  # noqa: E402
 from jaxinfer.benchmark import run_latency, run_throughput, synthetic_requests  # noqa: E402
 from jaxinfer.engine.sampler import SamplingMetadata  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from compiled_hlo import bytes_written, kernel_counts, weight_copies  # noqa: E402
+
+# The decode attention kernel's name scope (pallas_kernels/paged_decode_attention.py): its
+# kernels and the merge of its splits.
+DECODE_ATTENTION = "paged_decode_attention"
 
 
 class _ReferenceLLM:
@@ -71,43 +90,98 @@ def device_step_ms(engine, batch: int, context: int = 192, iters: int = 30) -> f
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def compiled_step_report(engine, batch: int, num_layers: int, hlo_path: Path | None) -> dict:
+    """What the compiled decode step of `batch` sequences launches (compiled_hlo.py)."""
+    runner = engine.runner
+    program = ("forward", *runner.bucket(batch, batch)[:2], "decode")
+    text = runner._executables[program].as_text()
+    if hlo_path is not None:
+        with gzip.open(hlo_path, "wt") as file:
+            file.write(text)
+    counts = kernel_counts(text)
+    kernels = sum(n for op, n in counts.items() if " " not in op)
+    copies = weight_copies(text)
+    attention_bytes, attention_kernels = bytes_written(text, DECODE_ATTENTION)
+    cost = runner._executables[program].cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {"bucket": program[1], "kernels": kernels, "kernels_per_layer": kernels / num_layers,
+            "kernel_counts": dict(counts.most_common()), "weight_copies": len(copies), "weight_copy_lines": copies[:20],
+            "attention_bytes_written": attention_bytes, "attention_kernels": attention_kernels[:8],
+            "xla_bytes_accessed": float((cost or {}).get("bytes accessed", -1))}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("directory")
     parser.add_argument("json")
     parser.add_argument("--backend", default="gpu", choices=["gpu", "xla"])
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--throughput", action="store_true")
+    parser.add_argument("--long-context", type=int, default=0, help="one request of this many prompt tokens")
+    parser.add_argument("--throughput", type=int, nargs="?", const=256, default=0,
+                        help="offline requests (256 without a number) of 128-384 tokens in, 64-192 out")
     parser.add_argument("--start-only", action="store_true")
+    parser.add_argument("--deadline", type=float, default=float(os.environ.get("PART_LIMIT", 1e9)),
+                        help="seconds this run may take (its time limit; gpu_check.sh's part() sets PART_LIMIT): "
+                             "a part that would end past it is skipped")
+    parser.add_argument("--hlo-dir", default=None, help="write the compiled decode steps here (gzipped text)")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",") if b]
     result = {"backend": args.backend, "devices": str(jax.devices()), "jax": jax.__version__,
-              "imported_s": time.time() - START}
+              "imported_s": time.time() - START, "skipped": []}
+
+    def save():
+        result["total_s"] = time.time() - START
+        json.dump(result, open(args.json, "w"), indent=1)
+
+    def may_start(part: str, seconds: float) -> bool:
+        """Whether `part`, which takes about `seconds` on an H100, ends before the deadline."""
+        if time.time() - START + seconds < args.deadline:
+            return True
+        result["skipped"].append(part)
+        return False
+
     if not args.start_only:  # before the engine takes the free memory for its KV pool
         result["copy_GBps"] = copy_bandwidth_gbs(2 << 30, 20)
-    options = dict(max_model_len=4096)
-    if args.max_num_seqs:
-        options["max_num_seqs"] = args.max_num_seqs
-    if args.max_num_batched_tokens:
-        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    options = {}
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name):
+            options[name] = getattr(args, name)
     if args.backend == "gpu":
         llm = LLM(args.directory, dtype="auto", progress=False, **options)
     else:
-        llm = _ReferenceLLM(args.directory, XlaBackend(attention="pallas"), **options)
+        llm = _ReferenceLLM(args.directory, XlaBackend(attention="pallas"), max_model_len=args.max_model_len or 4096,
+                            **{k: v for k, v in options.items() if k != "max_model_len"})
     result["ready_s"] = time.time() - START
     llm.wait_compiled()
     result["compiled_s"] = time.time() - START
     engine = llm.engine
+    result["max_model_len"] = engine.config.max_model_len
+    result["num_kv_blocks"] = engine.block_manager.num_usable_blocks
     result["programs"] = len(engine.runner.programs())
     result["programs_loaded"] = engine.runner.num_loaded
     print(json.dumps(result), flush=True)
+    save()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    result["skipped"] += [f"batch {b}: over max_num_seqs {engine.config.max_num_seqs}" for b in batches
+                          if b > engine.config.max_num_seqs]
+    batches = [b for b in batches if b <= engine.config.max_num_seqs]
     if not args.start_only:
+        num_layers = llm.model.config.num_layers
+        for batch in batches:
+            hlo = Path(args.hlo_dir) / f"decode_b{batch}.hlo.txt.gz" if args.hlo_dir and batch == batches[0] else None
+            try:
+                result[f"compiled_b{batch}"] = compiled_step_report(engine, batch, num_layers, hlo)
+            except Exception as error:  # a report, not the measurement: keep measuring
+                result[f"compiled_b{batch}"] = {"error": repr(error)}
+        save()
         weight_bytes = weight_bytes_per_step(llm.model.params)
         result["weight_bytes"] = weight_bytes
         result["weight_read_ms"] = weight_bytes / (result["copy_GBps"] * 1e9) * 1e3
         for batch in batches:
+            if not may_start(f"latency_b{batch}", 10):
+                continue
             latency = run_latency(llm, batch, 128, 64)
             latency["device_step_ms"] = device_step_ms(engine, batch)
             latency["host_share_of_step_time"] = max(0.0, 1 - latency["device_step_ms"]
@@ -115,14 +189,26 @@ def main():
             latency["step_over_weight_read"] = latency["decode_step_ms_mean"] / result["weight_read_ms"]
             result[f"latency_b{batch}"] = latency
             print(batch, json.dumps(latency), flush=True)
-            json.dump(result, open(args.json, "w"), indent=1)
-        if args.throughput:
-            requests = synthetic_requests(llm.model.config.vocab_size, 256, 256, 128, range_ratio=0.5)
-            result["throughput_256x256x128"] = run_throughput(llm, requests)
-            print(json.dumps(result["throughput_256x256x128"]), flush=True)
+            save()
+        shares = [result[k]["host_share_of_step_time"] for k in result if k.startswith("latency_b")]
+        if shares:
+            result["median_host_share"] = statistics.median(shares)
+        context = args.long_context
+        if context and context + 64 > engine.max_context_len:
+            result["skipped"].append(f"long_context {context}: over the engine's {engine.max_context_len}")
+        elif context and may_start("long_context", 25):
+            long = run_latency(llm, 1, context, 64)
+            long["device_step_ms"] = device_step_ms(engine, 1, context)
+            long["host_share_of_step_time"] = max(0.0, 1 - long["device_step_ms"] / long["decode_step_ms_median"])
+            result["long_context"] = long
+            print(json.dumps(long), flush=True)
+            save()
+        if args.throughput and may_start("throughput", 40):
+            requests = synthetic_requests(llm.model.config.vocab_size, args.throughput, 256, 128, range_ratio=0.5)
+            result["throughput"] = run_throughput(llm, requests)
+            print(json.dumps(result["throughput"]), flush=True)
     result["stats"] = {k: v for k, v in engine.stats().items() if isinstance(v, (int, float))}
-    result["total_s"] = time.time() - START
-    json.dump(result, open(args.json, "w"), indent=1)
+    save()
 
 
 if __name__ == "__main__":

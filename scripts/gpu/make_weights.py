@@ -1,6 +1,7 @@
-"""A random Llama-3.1-8B-shaped checkpoint in HF's layout (bf16, one safetensors
-shard per layer plus an index), written on the GPU for speed: what
-scripts/gpu_check.sh serves. Random weights: speed and start-up only, no text.
+"""A random Llama-3.1-8B-shaped checkpoint in HF's layout (bf16, one
+safetensors shard per layer plus an index; its config's context too, 131,072
+tokens), written on the GPU for speed: what scripts/gpu_check.sh serves.
+Random weights: speed and start-up only, no text.
 
     python scripts/gpu/make_weights.py DIR [LAYERS]      (DIMS=hidden,ffn,vocab to change the shape)
 """
@@ -22,9 +23,13 @@ head_dim = hidden // heads
 device = os.environ.get("DEV", "cuda" if torch.cuda.is_available() else "cpu")
 config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=hidden,
               intermediate_size=ffn, num_hidden_layers=num_layers, num_attention_heads=heads,
-              num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=8192, rms_norm_eps=1e-5,
-              rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=128000,
-              eos_token_id=128001, hidden_act="silu", attention_bias=False, mlp_bias=False)
+              num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=500000.0,
+              # Llama-3.1's context and RoPE scaling: an engine given no max_model_len serves 131,072 tokens.
+              max_position_embeddings=131072,
+              rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_position_embeddings=8192),
+              tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=128000, eos_token_id=128001,
+              hidden_act="silu", attention_bias=False, mlp_bias=False)
 os.makedirs(directory, exist_ok=True)
 with open(f"{directory}/config.json", "w") as f:
     json.dump(config, f)

@@ -1,50 +1,108 @@
-"""The numbers of a scripts/gpu_check.sh run, from its JSON files, as lines of its summary."""
+"""The numbers of a scripts/gpu_check.sh run, from its JSON files, as the
+first lines of its summary: the default context (what a user who sets no
+option meets) first, the 4k context beside it, then start-up and the rest."""
 
 import json
 import sys
 from pathlib import Path
 
+# (label, JSON name) of the e2e runs, in the order their lines come.
+RUNS = (("default context", "e2e_default"), ("4k context", "e2e_4k"), ("before (xla backend, scan, 4k)", "e2e_before"))
+
 
 def load(out: Path, name: str) -> dict | None:
     path = out / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except ValueError:  # cut short while writing
+        return None
 
 
-def latency_lines(label: str, run: dict) -> list[str]:
+def _batches(run: dict, prefix: str) -> list[str]:
+    return sorted((k for k in run if k.startswith(prefix)), key=lambda k: int(k[len(prefix):]))
+
+
+def step_lines(label: str, run: dict) -> list[str]:
     lines = []
-    for key in sorted((k for k in run if k.startswith("latency_b")), key=lambda k: int(k[9:])):
+    for key in _batches(run, "latency_b"):
         lat = run[key]
-        lines.append(f"{label} batch {lat['batch_size']:>3}: decode step {lat['decode_step_ms_mean']:.2f} ms "
-                     f"(median {lat.get('decode_step_ms_median', float('nan')):.2f}), "
-                     f"{lat['decode_tokens_per_s']:.0f} tok/s, {lat['step_over_weight_read']:.2f}x the weight read, "
-                     f"device alone {lat['device_step_ms']:.2f} ms, host share {lat['host_share_of_step_time']:.1%}")
+        lines.append(f"{label} batch {lat['batch_size']:>3}: step {lat['decode_step_ms_median']:.2f} ms median "
+                     f"(mean {lat['decode_step_ms_mean']:.2f}), device alone {lat['device_step_ms']:.2f} ms, "
+                     f"host share {lat['host_share_of_step_time']:.1%}, {lat['decode_tokens_per_s']:.0f} tok/s, "
+                     f"{lat['step_over_weight_read']:.2f}x the weight read")
+    if "median_host_share" in run:
+        lines.append(f"{label}: median host share over the batches {run['median_host_share']:.1%}")
+    return lines
+
+
+def compiled_lines(label: str, run: dict) -> list[str]:
+    lines = []
+    for key in _batches(run, "compiled_b"):
+        report = run[key]
+        if "error" in report:
+            lines.append(f"{label} compiled decode step {key[10:]}: not read ({report['error']})")
+            continue
+        counts = report["kernel_counts"]
+        kinds = ", ".join(f"{op} {n}" for op, n in counts.items())
+        copies = report["weight_copies"]
+        lines.append(f"{label} compiled decode step (bucket {report['bucket']}): {report['kernels_per_layer']:.1f} "
+                     f"kernels per layer; attention writes {report['attention_bytes_written'] / 2**20:.1f} MiB per "
+                     f"step; weight copies/concatenates {copies}"
+                     + (f" (first: {report['weight_copy_lines'][0]})" if copies else "")
+                     + f"; XLA's bytes accessed {report['xla_bytes_accessed'] / 1e9:.2f} GB")
+        if key == _batches(run, "compiled_b")[0]:
+            lines.append(f"{label}   kernels of the bucket-{report['bucket']} step: {kinds}")
+    return lines
+
+
+def run_lines(label: str, run: dict) -> list[str]:
+    lines = [f"{label}: max_model_len {run.get('max_model_len')}, {run.get('num_kv_blocks')} KV blocks"]
+    lines += step_lines(label, run)
+    if "long_context" in run:
+        long = run["long_context"]
+        lines.append(f"{label} one {long['input_len']}-token request: prefill {long['prefill_s']:.2f} s, step "
+                     f"{long['decode_step_ms_median']:.2f} ms median, device alone {long['device_step_ms']:.2f} ms, "
+                     f"host share {long['host_share_of_step_time']:.1%}")
+    lines += compiled_lines(label, run)
+    if "throughput" in run:
+        t = run["throughput"]
+        lines.append(f"{label} offline {t['num_requests']} requests (256 in, 128 out, range ratio 0.5): {t['output_tokens_per_s']:.0f} "
+                     f"output tok/s, host share {t['host_share_of_step_time']:.1%}, "
+                     f"{t['num_preemptions']} preemptions")
+    if run.get("skipped"):
+        lines.append(f"{label}: skipped: {', '.join(run['skipped'])}")
     return lines
 
 
 def main():
     out = Path(sys.argv[1])
-    cold, warm, before = load(out, "e2e_cold"), load(out, "e2e_warm"), load(out, "e2e_before")
+    runs = {name: load(out, name) for _, name in RUNS}
     lines = []
-    for label, run in (("after (gpu backend)", cold), ("before (xla backend, scan)", before)):
-        if run is None:
-            continue
-        if "copy_GBps" in run:
-            lines.append(f"{label}: {run['devices']}, jax {run['jax']}, copy {run['copy_GBps']:.0f} GB/s, weights "
-                         f"{run['weight_bytes'] / 1e9:.2f} GB read in {run['weight_read_ms']:.2f} ms")
-        lines.append(f"{label}: start to serving {run['ready_s']:.1f} s, to every program compiled "
-                     f"{run['compiled_s']:.1f} s ({run['programs']} programs)")
-        lines += latency_lines(label, run)
-        if "throughput_256x256x128" in run:
-            t = run["throughput_256x256x128"]
-            lines.append(f"{label} throughput 256 x (256 in, 128 out): {t['output_tokens_per_s']:.0f} output tok/s, "
-                         f"host share {t['host_share_of_step_time']:.1%}")
+    for label, name in RUNS:
+        if runs[name] is not None:
+            lines += run_lines(label, runs[name])
+    for label, name in RUNS:
+        run = runs[name]
+        if run is not None and "ready_s" in run:
+            loaded = run["programs_loaded"]
+            kind = "cold" if not loaded else "warm" if loaded == run["programs"] else "partly cached"
+            lines.append(f"{label} start ({kind}): serving {run['ready_s']:.1f} s, every program compiled"
+                         f" {run['compiled_s']:.1f} s ({run['programs']} programs, "
+                         f"{run['programs_loaded']} loaded from the executable cache)")
+    warm = load(out, "e2e_default_warm")
     if warm is not None:
-        lines.append(f"warm start: serving {warm['ready_s']:.1f} s, every program {warm['compiled_s']:.1f} s "
-                     f"({warm['programs_loaded']} of {warm['programs']} programs loaded from the executable cache)")
-    if cold and before:
-        for key in (k for k in cold if k.startswith("latency_b") and k in before):
-            ratio = before[key]["decode_step_ms_mean"] / cold[key]["decode_step_ms_mean"]
-            lines.append(f"speed-up {key[8:]}: {ratio:.2f}x (before / after step time, same run)")
+        lines.append(f"default context warm start: serving {warm['ready_s']:.1f} s, every program "
+                     f"{warm['compiled_s']:.1f} s ({warm['programs_loaded']} of {warm['programs']} programs loaded "
+                     f"from the executable cache)")
+    first = next((run for run in runs.values() if run and "copy_GBps" in run), None)
+    if first is not None:
+        lines.append(f"device: {first['devices']}, jax {first['jax']}, copy {first['copy_GBps']:.0f} GB/s, weights "
+                     f"{first.get('weight_bytes', 0) / 1e9:.2f} GB read in {first.get('weight_read_ms', 0):.2f} ms")
+    after, before = runs["e2e_4k"], runs["e2e_before"]
+    if after and before:
+        for key in (k for k in _batches(after, "latency_b") if k in before):
+            ratio = before[key]["decode_step_ms_mean"] / after[key]["decode_step_ms_mean"]
+            lines.append(f"speed-up {key[8:]} at 4k: {ratio:.2f}x (before / after step time, same run)")
     print("\n".join(lines))
 
 

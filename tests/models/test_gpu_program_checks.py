@@ -1,0 +1,109 @@
+"""The GPU check's reading of compiled programs (scripts/gpu/compiled_hlo.py),
+run on CPU-compiled programs: its parse of the HLO text against XLA's own
+HloModule, the weight copies it reports against programs that do and do not
+concatenate weights, the bytes it counts against numpy's. And the GPU
+backend's XLA options, which XLA:CPU checks by name too."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer.backends import GpuBackend
+from jaxinfer.engine.inputs import build_inputs
+from jaxinfer.engine.programs import forward_step
+from jaxinfer.models.kv_cache import allocate_kv_cache
+from scripts.gpu.compiled_hlo import NOT_KERNELS, bytes_written, kernel_counts, kernels_per_layer, parse, weight_copies
+from tests.tiny_models import make_hf_model, save_hf_model
+
+NUM_SEQS, BLOCK_SIZE = 2, 16
+
+
+@pytest.fixture(scope="module")
+def decode_step(tmp_path_factory):
+    """The tiny Llama's decode step on the GPU backend (unrolled layers, one
+    array per weight), compiled for the CPU: (compiled, model)."""
+    directory = save_hf_model(make_hf_model("llama", seed=2), tmp_path_factory.mktemp("llama"))
+    model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(attention="reference"))
+    cache = allocate_kv_cache(model.config, 8, BLOCK_SIZE, jnp.float32)
+    inputs = build_inputs([], [], [], [], num_tokens=NUM_SEQS, num_seqs=NUM_SEQS, layout="decode",
+                          block_size=BLOCK_SIZE, max_blocks_per_seq=4)
+    compiled = forward_step.trace(model.params, cache, *inputs[:3], config=model.config, backend=model.backend,
+                                  layout="decode").lower().compile()
+    return compiled, model
+
+
+def _xla_opcode(instruction) -> str:
+    """XLA's opcode enum (kGetTupleElement) in the text's spelling (get-tuple-element)."""
+    name = instruction.opcode.name[1:]
+    return "".join(f"-{c.lower()}" if c.isupper() else c for c in name).lstrip("-")
+
+
+def test_parse_matches_xlas_module(decode_step):
+    """Every computation and instruction the text parse finds, with its
+    opcode, is the one XLA's HloModule holds; the kernels counted are the
+    kernel-level computations' instructions less those that launch nothing."""
+    compiled, model = decode_step
+    text = compiled.as_text()
+    module = parse(text)
+    xla = compiled.runtime_executable().hlo_modules()[0]
+    spelled = {"exp": "exponential", "sin": "sine", "cos": "cosine"}  # where the enum's name is shorter than the text
+    reference = {c.name: {i.name: spelled.get(_xla_opcode(i), _xla_opcode(i)) for i in c.instructions()}
+                 for c in xla.computations()}
+    assert {c: {i.name: i.opcode for i in instructions} for c, instructions in module.computations.items()} == reference
+    levels = module.kernel_level()
+    assert levels[0] == module.entry and module.entry in reference
+    expected = sum(1 for c in levels for op in reference[c].values() if op not in NOT_KERNELS)
+    counts = kernel_counts(text)
+    assert sum(n for op, n in counts.items() if " " not in op) == expected
+    assert counts["fusion"] == sum(op == "fusion" for op in reference[module.entry].values()) + sum(
+        op == "fusion" for c in levels[1:] for op in reference[c].values())
+    assert kernels_per_layer(text, model.config.num_layers) == expected / model.config.num_layers
+    assert weight_copies(text) == []  # XLA:CPU has no dot merger; the unrolled step reads each weight in place
+
+
+def _compiled(fn, *args):
+    return jax.jit(fn).lower(*args).compile()
+
+
+def test_weight_copies_names_concatenated_weights():
+    """x @ concat(a, b) copies both weights into one on every call (what XLA's
+    GPU dot merger would build); concat(x @ a, x @ b) copies no weight."""
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.asarray(rng.standard_normal((64, 48)), jnp.float32),
+              "b": jnp.asarray(rng.standard_normal((64, 80)), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32)
+    merged = _compiled(lambda params, x: x @ jnp.concatenate([params["a"], params["b"]], axis=1), params, x)
+    found = weight_copies(merged.as_text())
+    assert len(found) == 1 and "params['a']" in found[0] and "params['b']" in found[0], found
+    apart = _compiled(lambda params, x: jnp.concatenate([x @ params["a"], x @ params["b"]], axis=1), params, x)
+    assert weight_copies(apart.as_text()) == []
+    # Only arguments under the weights' prefix count as weights.
+    assert weight_copies(merged.as_text(), weights_prefix="weights") == []
+
+
+def test_bytes_written_by_named_kernels():
+    """The bytes the kernels under a name scope write: their outputs' nbytes."""
+    def fn(x, y):
+        with jax.named_scope("writer"):
+            doubled, summed = x * 2 + 1, (y * 3).sum(axis=0)
+        return doubled, summed, y - 1
+
+    x, y = jnp.ones((64, 32), jnp.float32), jnp.ones((16, 8), jnp.bfloat16)
+    total, kernels = bytes_written(_compiled(fn, x, y).as_text(), "writer")
+    doubled, summed, _ = jax.eval_shape(fn, x, y)
+    assert total == np.dtype(doubled.dtype).itemsize * doubled.size + np.dtype(summed.dtype).itemsize * summed.size
+    assert len(kernels) == 2, kernels
+
+
+def test_gpu_backend_turns_off_the_dot_merger():
+    """GpuBackend compiles with XLA's dot merger off, under an option name
+    XLA knows: a tiny program compiles with it, and with a misspelled one it
+    does not (so the name is checked, here on CPU as on the GPU)."""
+    options = GpuBackend().compiler_options()
+    assert options == {"xla_gpu_dot_merger_threshold_mb": 0}
+    lowered = jax.jit(lambda a, b: a @ b).lower(jnp.ones((4, 8)), jnp.ones((8, 2)))
+    np.testing.assert_allclose(np.asarray(lowered.compile(options)(jnp.ones((4, 8)), jnp.ones((8, 2)))), 8.0)
+    with pytest.raises(Exception, match="xla_gpu_dot_merger_threshold_mbs"):
+        lowered.compile({"xla_gpu_dot_merger_threshold_mbs": 0})
