@@ -8,8 +8,11 @@ process's RSS (/proc/self/statm) every 5 ms, so the peak of each phase is
 known, and the overall peak is checked against getrusage's ru_maxrss. The
 first run of each model is a warm-up (not counted): it fills the caches a
 user's second start finds (compiled programs, native kernels, a prepared
-GGUF), so the table is a warm start; `--cold-cache` gives every run a fresh
-cache directory instead. Models are interleaved round by round; medians.
+GGUF's params: loading/prepared_cache.py), so the table is a warm start;
+`--cold-cache` gives every run a fresh cache directory instead, and
+`--no-prepared-cache` converts the GGUF at every start (the compiled
+programs still warm). Each run says whether its params came from the
+prepared cache. Models are interleaved round by round; medians.
 
     python scripts/make_kquant_gguf.py /tmp/kquant.gguf --mix Q4_K_M
     python scripts/bench_gguf_start.py --model default --model /tmp/kquant.gguf --rounds 3 --json start.json
@@ -26,8 +29,14 @@ import sys
 import tempfile
 
 CHILD = r"""
-import json, os, resource, threading, time
+import json, logging, os, resource, threading, time
 start = time.perf_counter()
+prepared = []  # what the prepared-params cache (jaxinfer/loading/prepared_cache.py) said
+class Prepared(logging.Handler):
+    def emit(self, record):
+        prepared.append(record.getMessage())
+logging.getLogger("jaxinfer.loading.prepared_cache").addHandler(Prepared())
+logging.getLogger("jaxinfer.loading.prepared_cache").setLevel(logging.INFO)
 page = os.sysconf("SC_PAGE_SIZE")
 peaks = {"phase": "import", "import": 0}
 def rss():
@@ -62,6 +71,7 @@ print("RESULT", json.dumps({
     "import_s": imported - start, "load_s": llm.model.load_seconds, "llm_ready_s": ready - imported,
     "first_token_s": first - imported, "generate_32_s": done - first,
     "tokens": len(out[0].outputs[0].token_ids),
+    "prepared": "hit" if any("read from" in m for m in prepared) else "miss",
     "peak_load_mb": peaks["load"] / 2**20, "peak_generate_mb": peaks["generate"] / 2**20,
     "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     "end_rss_anon_mb": int(status["RssAnon"].split()[0]) / 1024,
@@ -73,9 +83,11 @@ METRICS = ("load_s", "first_token_s", "peak_rss_mb", "peak_load_mb", "peak_gener
            "end_rss_file_mb", "generate_32_s")
 
 
-def run_child(model: str, cache_dir: str | None) -> dict:
+def run_child(model: str, cache_dir: str | None, prepared_cache: bool = True) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env.pop("JAXINFER_DISABLE_COMPILATION_CACHE", None)
+    if not prepared_cache:
+        env["JAXINFER_PREPARED_CACHE_BYTES"] = "0"
     if cache_dir:
         env.update(JAXINFER_CACHE_DIR=cache_dir)
     argument = "" if model == "default" else repr(model) + ", "
@@ -92,19 +104,22 @@ def main() -> int:
     parser.add_argument("--model", action="append", help='"default" (LLM() with no model) or a .gguf path')
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cold-cache", action="store_true", help="a fresh cache directory for every run")
+    parser.add_argument("--no-prepared-cache", action="store_true",
+                        help="convert the GGUF at every start (the other caches stay warm)")
     parser.add_argument("--json", help="write every run and the medians here")
     args = parser.parse_args()
     models = args.model or ["default"]
     runs = {m: [] for m in models}
     if not args.cold_cache:
         for model in models:
-            run_child(model, None)  # the warm-up: fills the caches
+            run_child(model, None, not args.no_prepared_cache)  # the warm-up: fills the caches
     for r in range(args.rounds):
         for model in models:
             with tempfile.TemporaryDirectory() as fresh:
-                result = run_child(model, fresh if args.cold_cache else None)
+                result = run_child(model, fresh if args.cold_cache else None, not args.no_prepared_cache)
             runs[model].append(result)
-            print(f"round {r + 1} {model}: " + ", ".join(f"{k} {result[k]:.2f}" for k in METRICS), flush=True)
+            print(f"round {r + 1} {model}: " + ", ".join(f"{k} {result[k]:.2f}" for k in METRICS)
+                  + f", prepared params {result['prepared']}", flush=True)
     medians = {m: {k: statistics.median(run[k] for run in runs[m]) for k in METRICS} for m in models}
     print()
     print("| model | load s | first token s | peak RSS MB | peak in load MB | peak in generate MB | "
@@ -116,8 +131,8 @@ def main() -> int:
               f"{v['end_rss_anon_mb']:.0f} / {v['end_rss_file_mb']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rounds": args.rounds, "cold_cache": args.cold_cache, "medians": medians, "runs": runs}, f,
-                      indent=1)
+            json.dump({"rounds": args.rounds, "cold_cache": args.cold_cache,
+                       "prepared_cache": not args.no_prepared_cache, "medians": medians, "runs": runs}, f, indent=1)
     return 0
 
 

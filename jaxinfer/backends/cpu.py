@@ -102,7 +102,18 @@ class CpuBackend(XlaBackend):
 
     def arrange_weights(self, params: dict) -> dict:
         """The weights as the native kernels read them (cpu_weights.py, layout)."""
-        return cpu_weights.layout(params) if self.native else params
+        if not self.native:
+            return params
+        params = cpu_weights.layout(params)
+        self.start_weight_kernel_builds(params)
+        return params
+
+    def start_weight_kernel_builds(self, params: dict) -> None:
+        """The K-quant kernels, on threads, where the params hold K-quants
+        (each is ~15 s of a machine's first start), while the engine's
+        programs are traced."""
+        if self.native:
+            cpu_weights.start_kquant_builds(params)
 
     # -- process and engine settings ---------------------------------------------
     def start_kernel_builds(self, quantization: str | None) -> None:

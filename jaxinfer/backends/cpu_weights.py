@@ -228,7 +228,6 @@ def layout(params: dict) -> dict:
     # streams it (the K-quant kernels read tiles only).
     if isinstance(params.get("lm_head"), (QuantizedTensor, KQuantTensor)) and "embed" in params:
         params["lm_head"] = tiled(params["lm_head"])
-    _start_kquant_builds(params)
     return params
 
 
@@ -255,7 +254,7 @@ def tiled(w):
     return w
 
 
-def _start_kquant_builds(params: dict) -> None:
+def start_kquant_builds(params: dict) -> None:
     """Build the K-quant kernels on threads where the params hold K-quants
     (only then: each is ~15 s of a machine's first start), while the
     engine's programs are traced."""

@@ -149,6 +149,10 @@ class XlaBackend:
         this backend's run_layers and operations read. Here: as loaded."""
         return params
 
+    def start_weight_kernel_builds(self, params: dict) -> None:
+        """Start building the kernels that arranged `params` need (arrange_weights
+        does; a load that reads arranged params back from a cache calls it)."""
+
     # -- process and engine settings ---------------------------------------------
     def start_kernel_builds(self, quantization: str | None) -> None:
         """Start building the platform's kernels in the background (at LLM()

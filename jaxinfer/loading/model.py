@@ -15,6 +15,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.loading.checkpoint import open_checkpoint
 from jaxinfer.loading.orbax import OrbaxCheckpoint
 from jaxinfer.loading.params import GGUF_QUANTIZATIONS, QUANTIZATIONS, STORED, build_params, resolve_dtype
+from jaxinfer.loading.prepared_cache import PreparedParamsCache
 from jaxinfer.models.attention import full_sequence_attention
 from jaxinfer.models.llama import forward
 from jaxinfer.parallel.mesh import tensor_parallel_size
@@ -187,10 +188,18 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
                 from jaxinfer.parallel.placement import shard_params
 
                 params = shard_params(params, mesh)
+        params = backend.arrange_weights(params)
     else:
-        params = build_params(config, source, np_dtype, progress=progress, quantization=quantization, mesh=mesh,
-                              backend=backend)
-    params = backend.arrange_weights(params)
+        # A GGUF loaded before with the same options reads back its arranged params instead of converting.
+        prepared = PreparedParamsCache.for_gguf_load(source, mesh, quantization, np_dtype, backend)
+        params = prepared.read() if prepared else None
+        if params is not None:
+            backend.start_weight_kernel_builds(params)
+        else:
+            params = backend.arrange_weights(build_params(config, source, np_dtype, progress=progress,
+                                                          quantization=quantization, mesh=mesh, backend=backend))
+            if prepared:
+                prepared.write(params)
     jax.block_until_ready(params)
     return Model(run_config, params, tokenizer, np_dtype, description, time.perf_counter() - start, mesh,
                  quantization, config, backend)
