@@ -2,127 +2,28 @@
 their stored forms (loading/prequantized/) and give the logits and greedy
 tokens of the float model holding each format's dequantized weights.
 
-GPTQ, AWQ and fp8 checkpoints are written here from a tiny HF model by the
-formats' published packing rules (gptqmodel and autoawq do not install on a
-CPU-only torch); the reference weights are the formats' dequantization
-formulas in float64 numpy, loaded into HF transformers. compressed-tensors
+GPTQ, AWQ and fp8 checkpoints are written from a tiny HF model by the
+formats' published packing rules (GPTQ and AWQ: tests/prequantized_writers.py;
+gptqmodel and autoawq do not install on a CPU-only torch); the reference
+weights are the formats' dequantization formulas in float64 numpy, loaded
+into HF transformers. compressed-tensors
 checkpoints are written by the compressed-tensors library, and HF
 transformers loads the same directory as the reference."""
-
-import json
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import save_file
 
 import jaxinfer
 from jaxinfer.errors import UnsupportedModelError
 from jaxinfer.loading.checkpoint import open_checkpoint
 from jaxinfer.quant.tensor import QuantizedTensor
-from tests.tiny_models import hf_greedy, hf_logits, make_hf_model, save_hf_model
+from tests.prequantized_writers import awq_checkpoint, gptq_checkpoint, linear_names, with_weights, write
+from tests.tiny_models import hf_greedy, hf_logits, make_hf_model
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
 PROMPTS = [[5, 17, 99, 3, 64, 2, 11, 40], [120, 7, 7, 81, 33, 1]]
 NEW_TOKENS = 5
-
-
-def linear_names(hf):
-    return [f"model.layers.{i}.{m}" for i in range(hf.config.num_hidden_layers) for m in LINEARS]
-
-
-def pack_int32(codes, bits, axis):
-    """uint codes -> int32 words along `axis`, low bits first (GPTQ's and compressed-tensors' packing)."""
-    codes = np.moveaxis(codes.astype(np.uint32), axis, -1)
-    per = 32 // bits
-    words = codes.reshape(*codes.shape[:-1], -1, per) << (np.arange(per, dtype=np.uint32) * bits)
-    return np.moveaxis(np.bitwise_or.reduce(words, axis=-1), -1, axis).view(np.int32)
-
-
-def rtn(w, bits, group_size, sym):
-    """w [in, out] -> codes [in, out], zeros [groups, out] (int), scales [groups, out] float16: round to nearest."""
-    g = w.reshape(-1, group_size, w.shape[1])
-    top = (1 << bits) - 1
-    if sym:
-        scales = (np.abs(g).max(1) / ((top + 1) // 2 - 0.5)).astype(np.float16)
-        zeros = np.full(scales.shape, (top + 1) // 2)
-    else:
-        low, high = g.min(1), g.max(1)
-        scales = ((high - low) / top).astype(np.float16)
-        zeros = np.clip(np.round(-low / scales.astype(np.float64)), 0, top).astype(np.int64)
-    s = np.repeat(scales.astype(np.float64), group_size, 0)
-    z = np.repeat(zeros, group_size, 0)
-    codes = np.clip(np.round(w / s) + z, 0, top).astype(np.int64)
-    return codes, zeros, scales
-
-
-def write(hf, directory, tensors, quantization_config, replaced):
-    """The HF model's own tensors (less `replaced` linears' weights) plus `tensors`, and its config.json
-    with quantization_config."""
-    save_hf_model(hf, directory)
-    state = {k: v.numpy() for k, v in hf.state_dict().items()
-             if not (k.endswith(".weight") and k.rsplit(".", 1)[0] in replaced)}
-    if hf.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    # safetensors.numpy writes an array's buffer as it lies: C order first.
-    save_file({k: np.ascontiguousarray(v) for k, v in {**state, **tensors}.items()}, str(directory / "model.safetensors"))
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = quantization_config
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
-def with_weights(hf, weights):
-    """The HF model with each linear's weight replaced by its float64 dequantized value (rounded to float32)."""
-    state = hf.state_dict()
-    for name, w in weights.items():
-        state[f"{name}.weight"] = torch.tensor(w.astype(np.float32))
-    hf.load_state_dict(state)
-    return hf
-
-
-def gptq_checkpoint(hf, directory, bits, group_size, sym, fmt):
-    tensors, weights = {}, {}
-    for name in linear_names(hf):
-        w = hf.get_submodule(name).weight.detach().numpy().T.astype(np.float64)  # [in, out]
-        group = w.shape[0] if group_size == -1 else group_size
-        codes, zeros, scales = rtn(w, bits, group, sym)
-        stored_zeros = zeros - 1 if fmt == "gptq" else zeros
-        tensors[f"{name}.qweight"] = pack_int32(codes, bits, axis=0)
-        tensors[f"{name}.qzeros"] = pack_int32(stored_zeros & ((1 << bits) - 1), bits, axis=1)
-        tensors[f"{name}.scales"] = scales
-        tensors[f"{name}.g_idx"] = (np.arange(w.shape[0]) // group).astype(np.int32)
-        # w = (q - zero) * scale
-        weights[name] = ((codes - np.repeat(zeros, group, 0)) * np.repeat(scales.astype(np.float64), group, 0)).T
-    config = dict(quant_method="gptq", bits=bits, group_size=group_size, sym=sym, desc_act=False,
-                  checkpoint_format=fmt)
-    return write(hf, directory, tensors, config, set(weights)), with_weights(hf, weights)
-
-
-AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
-
-
-def awq_pack(codes):
-    """[rows, out] codes -> int32 [rows, out / 8]: nibble k of word j holds column 8j + AWQ_ORDER[k]."""
-    rows, out = codes.shape
-    by_nibble = codes.reshape(rows, out // 8, 8)[:, :, AWQ_ORDER]
-    return pack_int32(by_nibble.reshape(rows, out), 4, axis=1)
-
-
-def awq_checkpoint(hf, directory, group_size):
-    tensors, weights = {}, {}
-    for name in linear_names(hf):
-        w = hf.get_submodule(name).weight.detach().numpy().T.astype(np.float64)
-        codes, zeros, scales = rtn(w, 4, group_size, sym=False)
-        tensors[f"{name}.qweight"] = awq_pack(codes)
-        tensors[f"{name}.qzeros"] = awq_pack(zeros)
-        tensors[f"{name}.scales"] = scales
-        weights[name] = ((codes - np.repeat(zeros, group_size, 0)) * np.repeat(scales.astype(np.float64),
-                                                                               group_size, 0)).T
-    config = dict(quant_method="awq", version="gemm", bits=4, group_size=group_size, zero_point=True)
-    return write(hf, directory, tensors, config, set(weights)), with_weights(hf, weights)
 
 
 def fp8_checkpoint(hf, directory, block):
