@@ -93,7 +93,7 @@ def representable(smollm):
     characters that need them, so only texts without them can round-trip."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    vocab = smollm.backend.get_vocab()
+    vocab = smollm.rust_tokenizer.get_vocab()
     present = {b for b, symbol in bytes_to_unicode().items() if symbol in vocab}
     assert len(present) == 256 - 21
     return lambda text: set(text.encode("utf-8")) <= present
@@ -174,7 +174,7 @@ def sp_gguf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def json_dir(tmp_path_factory, smollm):
     directory = tmp_path_factory.mktemp("tokjson")
-    smollm.backend.save(str(directory / "tokenizer.json"))
+    smollm.rust_tokenizer.save(str(directory / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|im_start|>",
@@ -369,7 +369,7 @@ class _Fields:
 
 
 def pre_tokens(tok, text):
-    return [piece for piece, _ in tok.backend.pre_tokenizer.pre_tokenize_str(text)]
+    return [piece for piece, _ in tok.rust_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
 
 
 def test_gguf_bpe_pre_tokenizers(smollm_reader, caplog):
@@ -410,7 +410,7 @@ def test_gguf_chat_template_matches_transformers(smollm, smollm_transformers):
 
 def test_chat_template_helpers_and_errors(smollm, sp_tok):
     tok = HFTokenizer(
-        smollm.backend, bos_token_id=1, eos_token_id=2, add_bos_token=False,
+        smollm.rust_tokenizer, bos_token_id=1, eos_token_id=2, add_bos_token=False,
         chat_template="{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
                       "{{ bos_token }}{{ messages[0] | tojson }}{{ eos_token }}{{ extra }}")
     assert tok.apply_chat_template([{"role": "user", "content": "<b> & é"}], extra="X") == \
@@ -493,7 +493,7 @@ def check_stream(tok, ids, seed=0, **kwargs):
             assert not any("\ufffd" in d for d in deltas), deltas
 
 
-def test_detokenizer_every_backend(any_tok):
+def test_detokenizer_every_tokenizer_kind(any_tok):
     for seed, text in enumerate(TEXTS + MULTIBYTE_TEXTS):
         check_stream(any_tok, any_tok.encode(text, add_special_tokens=False), seed)
         check_stream(any_tok, any_tok.encode(text), seed)
