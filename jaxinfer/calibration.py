@@ -54,7 +54,7 @@ import numpy as np
 from jaxinfer.backends import XlaBackend
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
-from jaxinfer.models.layers import rms_norm, rope_inv_freq
+from jaxinfer.models.layers import rms_norm, rotary_tables
 from jaxinfer.models.llama import attention_values, decoder_layer, mlp_hidden
 from jaxinfer.quant.schemes import quantize_int4
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize
@@ -152,13 +152,13 @@ def layer_forward(layer: dict, config: ModelConfig, x, positions, valid):
     """One transformer layer as the model computes it (models/llama.py), with
     full-sequence causal attention over the real tokens: x [B, T, hidden] ->
     [B, T, hidden]."""
-    return decoder_layer(layer, config, x, positions, rope_inv_freq(config), _causal(config, positions, valid),
+    return decoder_layer(layer, config, x, rotary_tables(config, positions), _causal(config, positions, valid),
                          None, 0, backend=REFERENCE)[0]
 
 
 def _attention_values(layer, config: ModelConfig, h, positions, valid):
     """The attention output before wo: [B, T, num_heads * head_dim]."""
-    return attention_values(layer, config, h, positions, rope_inv_freq(config), _causal(config, positions, valid),
+    return attention_values(layer, config, h, rotary_tables(config, positions), _causal(config, positions, valid),
                             None, 0, backend=REFERENCE)[0]
 
 

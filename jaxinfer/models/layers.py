@@ -49,15 +49,22 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return inv_freq
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotate x [..., T, heads, head_dim] by its positions [..., T].
+def rotary_tables(config: ModelConfig, positions):
+    """(cos, sin) float32 [..., T, 1, head_dim // 2] of the positions [..., T]:
+    computed once per step and shared by every layer (each layer rotates
+    its q and k by the same angles)."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(rope_inv_freq(config), jnp.float32)
+    return jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # broadcast over heads
+
+
+def apply_rope(x, rope):
+    """Rotate x [..., T, heads, head_dim] by the angles of rope = (cos, sin)
+    (rotary_tables of its positions).
 
     Uses the "rotate half" pairing (dimension i with i + head_dim/2) that HF
     checkpoints assume; GGUF Llama weights are un-permuted at load to match.
     """
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-    cos = jnp.cos(angles)[..., None, :]  # broadcast over heads
-    sin = jnp.sin(angles)[..., None, :]
+    cos, sin = rope
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

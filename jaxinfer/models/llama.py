@@ -51,7 +51,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import AttentionFn
-from jaxinfer.models.layers import apply_rope, rms_norm, rope_inv_freq
+from jaxinfer.models.layers import apply_rope, rms_norm, rotary_tables
 from jaxinfer.models.lora import lora_delta
 from jaxinfer.models.moe import moe_mlp, moe_param_shapes
 
@@ -102,16 +102,17 @@ def adapted_linears(x, p: dict, keys, lora_slots=None, *, backend) -> list:
     return [y + lora_delta(x, *p["lora"][key], lora_slots) if key in p["lora"] else y for y, key in zip(ys, keys)]
 
 
-def decoder_layer(p: dict, config: ModelConfig, x, positions, inv_freq, attention: AttentionFn, kv_cache, layer_index,
+def decoder_layer(p: dict, config: ModelConfig, x, rope, attention: AttentionFn, kv_cache, layer_index,
                   lora_slots=None, *, backend):
     """One transformer block over x [B, T, hidden] with one layer's weights `p`
     (the per-layer dicts above without the leading L axis, in the form the
-    backend's run_layers hands them); returns (x, kv_cache).
+    backend's run_layers hands them); returns (x, kv_cache). rope: the
+    step's rotary tables (models/layers.py, rotary_tables).
     lora_slots: None, or each row's adapter slot int32 [B, T] (lora/slots.py).
     Shared by the model body and the EAGLE draft head (engine/spec/eagle_head.py)."""
     c = config
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-    values, kv_cache = attention_values(p, c, h, positions, inv_freq, attention, kv_cache, layer_index, lora_slots,
+    values, kv_cache = attention_values(p, c, h, rope, attention, kv_cache, layer_index, lora_slots,
                                         backend=backend)
     x = x + adapted_linear(values, p, "wo", lora_slots, backend=backend)
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
@@ -137,7 +138,7 @@ def feed_forward(p: dict, config: ModelConfig, h, layer_index, lora_slots=None, 
     return backend.select_by_layer(layer_index, tuple(c.dense_layers), dense, sparse)
 
 
-def attention_values(p: dict, config: ModelConfig, h, positions, inv_freq, attention: AttentionFn, kv_cache,
+def attention_values(p: dict, config: ModelConfig, h, rope, attention: AttentionFn, kv_cache,
                      layer_index, lora_slots=None, *, backend):
     """The attention of one layer on its normed input h [B, T, hidden]: the
     values before wo [B, T, heads * head_dim], and the cache. A piece of its
@@ -159,8 +160,8 @@ def attention_values(p: dict, config: ModelConfig, h, positions, inv_freq, atten
     if c.qk_norm and c.qk_norm_per_head:
         q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q = apply_rope(q, rope)
+    k = apply_rope(k, rope)
     out, kv_cache = attention(q, k, v, kv_cache, layer_index)
     return out.reshape(batch, seq, c.num_heads * c.head_dim), kv_cache
 
@@ -188,12 +189,12 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
     params["layers"]["lora"] (lora/slots.py).
     """
     c = config
-    inv_freq = rope_inv_freq(c)
+    rope = rotary_tables(c, positions)  # once for every layer
     x = embed_tokens(params, tokens)
 
     def layer(carry, p, layer_index):
         x, kv_cache = carry
-        return decoder_layer(p, c, x, positions, inv_freq, attention, kv_cache, layer_index, lora_slots,
+        return decoder_layer(p, c, x, rope, attention, kv_cache, layer_index, lora_slots,
                              backend=backend)
 
     x, kv_cache = backend.run_layers(layer, (x, kv_cache), params["layers"], c.num_layers)

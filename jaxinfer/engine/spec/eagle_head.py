@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
-from jaxinfer.models.layers import rms_norm, rope_inv_freq
+from jaxinfer.models.layers import rms_norm, rotary_tables
 from jaxinfer.models.llama import decoder_layer, embed_tokens
 
 # The head trained for the embedded default model (scripts/train_draft_head.py).
@@ -99,7 +99,7 @@ def head_features(head: dict, target_params: dict, config: ModelConfig, tokens, 
         x = embed_tokens(target_params, tokens)
         x = backend.linear(jnp.concatenate([x, features.astype(x.dtype)], axis=-1), _in_dtype(head["fc"], x.dtype))
         layer = {k: _in_dtype(w, x.dtype) for k, w in head["layer"].items()}
-        return decoder_layer(layer, config, x, positions, rope_inv_freq(config), attention, kv_cache, 0,
+        return decoder_layer(layer, config, x, rotary_tables(config, positions), attention, kv_cache, 0,
                              backend=backend)
 
 
