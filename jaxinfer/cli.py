@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="default loopback; another host wants --api-key")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (not on /health, /metrics)")
+    srv.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (not on /health, /load, /metrics, /version)")
     srv.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
     srv.add_argument("--max-queue", type=int, default=1024, help="most requests in flight; more are answered 429")
     _add_engine_args(srv)

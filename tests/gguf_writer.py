@@ -192,3 +192,17 @@ def round_trip_hf_model(hf_model, qtype):
         for name, param in hf_model.named_parameters():
             param.copy_(torch.from_numpy(round_trip(param.float().numpy(), qtype, name)))
     return hf_model
+
+
+def write_kquant_mix(hf_model, path, mix: dict, seed: int):
+    """A GGUF of hf_model whose linear weights and head are random K-quant
+    blocks (random_k_blocks), Q4_K except where `mix` ({GGUF name: type})
+    says otherwise: layers that mix block types, as a Q4_K_M file's do."""
+    rng = np.random.default_rng(seed)
+    override = {}
+    for name, param in hf_model.state_dict().items():
+        target = gguf_name(name)
+        if name.endswith("proj.weight") or target == "output.weight":
+            qtype = mix.get(target, gguf.GGMLQuantizationType.Q4_K)
+            override[target] = (random_k_blocks(rng, qtype, *param.shape), qtype)
+    return write_gguf(hf_model, path, tensor_type_override=override)

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from jaxinfer.server import errors
 
-OPEN_PATHS = ("/health", "/metrics", "/version")  # no API key: probes, scrapers, version checks
+OPEN_PATHS = ("/health", "/load", "/metrics", "/version")  # no API key: probes, routers, scrapers, version checks
 
 
 class Guard:

@@ -1,8 +1,9 @@
 """The HTTP routes: OpenAI's, vLLM's, and the probes.
 
 POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not),
-GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /metrics,
-GET /version, and vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /load,
+GET /metrics, GET /version, and vLLM's POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter.
 
 Handlers run on the event loop and do only cheap work. A generation request
 is admitted first (admission.py), then its text is tokenized and its chat
@@ -50,6 +51,14 @@ async def health(state: ServerState = State):
     except APIError as e:
         return JSONResponse(e.body(), status_code=503)
     return Response(status_code=200)
+
+
+@router.get("/load")
+async def load(state: ServerState = State):
+    """vLLM's load probe for a router: the sequences admitted and not yet
+    finished (waiting, running, or still being tokenized), counted at
+    admission on the event loop, so answering asks the engine nothing."""
+    return {"server_load": state.engine.num_in_flight if state.engine is not None else 0}
 
 
 @router.get("/metrics")

@@ -18,7 +18,7 @@ import jaxinfer.utils
 from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.loading.prepared_cache import PreparedParamsCache
 from jaxinfer.quant.mixed_stack import MixedStack
-from tests.gguf_writer import gguf_name, random_k_blocks, write_gguf
+from tests.gguf_writer import write_kquant_mix
 from tests.tiny_models import make_hf_model
 
 Q = gguf.GGMLQuantizationType
@@ -73,15 +73,7 @@ def greedy(model, prompt, steps: int) -> list[int]:
 
 
 def kquant_file(path, seed: int):
-    hf_model = make_hf_model("llama_kquant", seed=13)
-    rng = np.random.default_rng(seed)
-    override = {}
-    for name, param in hf_model.state_dict().items():
-        target = gguf_name(name)
-        if name.endswith("proj.weight") or target == "output.weight":
-            qtype = MIX.get(target, Q.Q4_K)
-            override[target] = (random_k_blocks(rng, qtype, *param.shape), qtype)
-    return write_gguf(hf_model, path, tensor_type_override=override)
+    return write_kquant_mix(make_hf_model("llama_kquant", seed=13), path, MIX, seed)
 
 
 def test_default_model_second_load_reads_the_first_loads_params(cache_dir, caplog):

@@ -29,7 +29,7 @@ from jaxinfer.quant.kquant import KQuantTensor, dequantize
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.params import LINEAR_KEYS
-from tests.gguf_writer import gguf_name, random_k_blocks, write_gguf
+from tests.gguf_writer import gguf_name, random_k_blocks, write_gguf, write_kquant_mix
 from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model
 
 Q = gguf.GGMLQuantizationType
@@ -147,15 +147,8 @@ MIX = {"blk.1.attn_v.weight": Q.Q6_K, "blk.1.ffn_down.weight": Q.Q6_K, "blk.0.ff
 
 @pytest.fixture(scope="module")
 def mixed_file(tmp_path_factory):
-    hf_model = make_hf_model("llama_kquant", seed=13)
-    rng = np.random.default_rng(6)
-    override = {}
-    for name, param in hf_model.state_dict().items():
-        target = gguf_name(name)
-        if name.endswith("proj.weight") or target == "output.weight":
-            qtype = MIX.get(target, Q.Q4_K)
-            override[target] = (random_k_blocks(rng, qtype, *param.shape), qtype)
-    return write_gguf(hf_model, tmp_path_factory.mktemp("kquant") / "m.gguf", tensor_type_override=override)
+    return write_kquant_mix(make_hf_model("llama_kquant", seed=13), tmp_path_factory.mktemp("kquant") / "m.gguf",
+                            MIX, seed=6)
 
 
 @pytest.fixture(scope="module")

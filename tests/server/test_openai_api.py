@@ -209,6 +209,27 @@ def test_api_key_and_unknown_model(server):
         server.client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
 
 
+def test_load_counts_an_open_stream(server):
+    """GET /load (vLLM's shape, no API key: a router polls it) is 0 idle, 1
+    while one streamed request is open, and 0 once its stream has ended."""
+    def load():
+        r = httpx.get(server.url + "/load")
+        assert r.status_code == 200
+        return r.json()
+
+    assert load() == {"server_load": 0}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.auth) as r:
+        lines = r.iter_lines()
+        first = next(lines)
+        assert json.loads(first[len("data: "):])["choices"]
+        assert load() == {"server_load": 1}
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert load() == {"server_load": 0}
+
+
 BAD_COMPLETIONS = [
     (b'{"prompt": "x", "max_tokens": ', "JSON"),
     ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
