@@ -1,6 +1,8 @@
 """`jaxinfer convert`: load a checkpoint (HF directory, GGUF, or a jaxinfer checkpoint) as float,
 optionally quantize it (round to nearest, or AWQ with calibration text), and write a jaxinfer
-(orbax) checkpoint that `load()` / `LLM()` restore straight onto the device."""
+(orbax) checkpoint that `load()` / `LLM()` restore straight onto the device. A quantized HF
+checkpoint (GPTQ, AWQ, compressed-tensors, fp8: loading/prequantized/) converted without
+--quantize keeps its weights in their stored forms, not widened to float."""
 
 from __future__ import annotations
 
@@ -65,6 +67,19 @@ def _check_options(quantize: str, group_size, calibration, include_head: bool) -
         raise ValueError("fp8 is per output channel only; leave --group-size unset")
 
 
+def _load_quantization(src, quantize: str) -> str | None:
+    """"stored" for a quantized HF directory left unquantized by the convert (its GPTQ / AWQ /
+    compressed-tensors / fp8 weights as published, in quant/tensor.py's forms), else None: the float
+    weights that --quantize starts from, or that are written as they are."""
+    from jaxinfer.loading.params import STORED
+    from jaxinfer.loading.prequantized.source import quantization_config
+
+    if quantize != "none" or src is None:
+        return None
+    path = Path(src).expanduser()
+    return STORED if (path / "config.json").is_file() and quantization_config(path) else None
+
+
 def convert(src, out_dir, quantize: str = "none", group_size: int | None = None, calibration=None,
             dtype: str = "float32", include_head: bool = False, progress: bool = True, overwrite: bool = False,
             log=print) -> dict:
@@ -72,7 +87,8 @@ def convert(src, out_dir, quantize: str = "none", group_size: int | None = None,
 
     src: a HF directory, a .gguf file, a jaxinfer checkpoint, or None for the default model.
     quantize: none | int8 | int4 | int4-awq | fp8 (linear weights of every layer; the head too
-    with include_head). dtype: of everything left unquantized.
+    with include_head; from the dequantized weights of a quantized HF checkpoint, which "none"
+    keeps as stored). dtype: of everything left unquantized.
     """
     from jaxinfer.backends import XlaBackend
     from jaxinfer.loading.model import load
@@ -80,14 +96,18 @@ def convert(src, out_dir, quantize: str = "none", group_size: int | None = None,
     _check_options(quantize, group_size, calibration, include_head)
     if Path(out_dir).expanduser().exists() and not overwrite:  # before minutes of loading, not after
         raise FileExistsError(f"{out_dir} already exists; choose another directory or pass --overwrite")
-    # Quantized below, from float; stacked layers (the checkpoint's layout) whatever the platform.
-    model = load(src, dtype=dtype, progress=progress, quantization=None, backend=XlaBackend())
+    # Quantized below, from float, or kept as stored; stacked layers (the checkpoint's layout) whatever
+    # the platform.
+    model = load(src, dtype=dtype, progress=progress, quantization=_load_quantization(src, quantize),
+                 backend=XlaBackend())
     return convert_model(model, out_dir, quantize, group_size, calibration, include_head, progress, overwrite, log)
 
 
 def convert_model(model, out_dir, quantize: str = "none", group_size: int | None = None, calibration=None,
                   include_head: bool = False, progress: bool = True, overwrite: bool = False, log=print) -> dict:
-    """`convert` for an already loaded float `Model` (its dtype is kept for unquantized weights)."""
+    """`convert` for an already loaded `Model` (its dtype is kept for unquantized weights): float, or
+    with quantize "none" also a "stored" load of a quantized HF checkpoint, whose forms are written as
+    they are."""
     import jax.numpy as jnp
 
     from jaxinfer.loading.orbax import save_checkpoint
@@ -115,13 +135,16 @@ def convert_model(model, out_dir, quantize: str = "none", group_size: int | None
         params = awq_quantize_params(params, model.config, batches, group_size or AWQ_GROUP_SIZE)
     after = params_nbytes(params)
     dtype = jnp.dtype(model.dtype).name
+    kept = quantize == "none" and model.quantization == "stored"
+    written_as = "as stored" if kept else quantize
     quantized = Model(model.config, params, model.tokenizer, model.dtype, model.source)
-    extra = {"quantize": quantize, "group_size": group_size, "include_head": include_head, "dtype": dtype,
-             "calibration": Path(calibration).name if calibration else None}
+    extra = {"quantize": "stored" if kept else quantize, "group_size": group_size, "include_head": include_head,
+             "dtype": dtype, "calibration": Path(calibration).name if calibration else None}
     save_checkpoint(quantized, out_dir, progress=progress, overwrite=overwrite, extra_metadata={"convert": extra})
     written = disk_size(out_dir)
     log(f"source     {model.source}: {format_bytes(source_bytes)} on disk")
-    log(f"params     {format_bytes(before)} ({dtype}) -> {format_bytes(after)} ({quantize}"
+    log(f"params     {format_bytes(before)} ({'quantized, ' if kept else ''}{dtype}) -> {format_bytes(after)} "
+        f"({written_as}"
         f"{', head included' if include_head else ''}), {after / before:.1%}")
     log(f"checkpoint {out_dir}: {format_bytes(written)} on disk")
     return {"source_bytes": source_bytes, "params_bytes_before": before, "params_bytes_after": after,

@@ -463,8 +463,52 @@ def multihost_requests():
     return prompts, params
 
 
+def gptq_tp_group():
+    """GPTQ 4-bit checkpoints (tests/prequantized_writers.py) loaded as stored:
+    groups of 32 at TP 2 (KV heads split), each shard of wo / w_down holding
+    whole groups, its scales and offsets split with its packed int4 rows; and
+    asymmetric gptq_v2 groups of 64 at TP 4 (KV heads repeated, int4 codes and
+    scales with them), two groups over four shards, so the scales of wo /
+    w_down are replicated beside the split rows. Greedy tokens equal the
+    single-device load's and HF's on the dequantized float64 reference,
+    logits the single-device load's."""
+    from pathlib import Path
+
+    from tests.prequantized_writers import gptq_checkpoint
+    from tests.tiny_models import hf_greedy
+
+    prompts, max_tokens = workload()
+    probe = list(range(3, 3 + 29))
+    for tp, group_size, sym, fmt in ((2, 32, True, "gptq"), (4, 64, False, "gptq_v2")):
+        directory, reference = gptq_checkpoint(make_hf_model("llama_tp", seed=7), Path(tempfile.mkdtemp()), 4,
+                                               group_size, sym, fmt)
+        single = load(str(directory), progress=False)
+        assert single.quantization == "stored"
+        ref_tokens, _ = reference_greedy(single, prompts, max_tokens)
+        assert ref_tokens == [hf_greedy(reference, p, n) for p, n in zip(prompts, max_tokens)]
+        llm = LLM(str(directory), progress=False, tensor_parallel_size=tp, **ENGINE)
+        for key in ("wo", "w_down"):  # row-parallel: the packed rows split, the scales with them where whole
+            w = llm.model.params["layers"][key]
+            assert isinstance(w, QuantizedTensor) and w.scheme == "int4" and w.group_size == group_size, w
+            groups, rows = w.scales.shape[1], w.data.shape[1]
+            local_groups = groups // tp if groups % tp == 0 else groups
+            for part in (w.scales, w.offsets):
+                assert {s.data.shape[1] for s in part.addressable_shards} == {local_groups}, (key, part.sharding)
+            assert {s.data.shape[1] for s in w.data.addressable_shards} == {rows // tp}
+        num_arrays = check_param_shardings(llm.model.params, llm.model.mesh)
+        check_kv_sharding(llm, tp)
+        assert_logits_close(llm.model.logits(probe), single.logits(probe), rtol=1e-5)
+        outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        assert tokens == ref_tokens, (tp, tokens, ref_tokens)
+        log(f"GPTQ int4 {fmt} groups of {group_size} TP{tp}: {num_arrays} arrays as declared, wo / w_down "
+            f"scales {'split with their rows' if local_groups < groups else 'replicated'}, greedy tokens equal "
+            "single-device and HF")
+
+
 GROUPS = {
     "tp-xla": lambda: tp_group("xla", None),
+    "tp-gptq": gptq_tp_group,
     # int8 weights and the Pallas kernels (per shard, shard_map) together: the
     # float XLA group above is the baseline that tells the two apart.
     # TP 4 only: the Pallas kernels run interpreted (each size ~12 s), and the

@@ -48,11 +48,11 @@ def _run_checks(group: str, devices: int) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("group", ["tp-xla", "tp-pallas-int8", "specs"])
+@pytest.mark.parametrize("group", ["tp-xla", "tp-pallas-int8", "tp-gptq", "specs"])
 def test_tensor_parallel_equals_single_device(group):
     """TP 2/4/8 greedy tokens, logprobs and logits equal the single-device
     model's (float/XLA; int8 weights with the Pallas kernels under shard_map
-    at TP 4);
+    at TP 4; GPTQ int4 checkpoints as stored at TP 2 and 4, also HF's);
     every weight's sharding is its declared spec; orbax and safetensors loads
     land in shards; the compiled step has only the Megatron collectives."""
     out = _run_checks(group, devices=8)
