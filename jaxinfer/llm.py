@@ -7,7 +7,7 @@ import itertools
 from tqdm.auto import tqdm
 
 from jaxinfer.backends import choose_backend
-from jaxinfer.engine.config import EngineConfig, fit_default_context
+from jaxinfer.engine.config import EngineConfig, ModelShape, fit_default_context
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.errors import RequestError
 from jaxinfer.loading.model import load
@@ -70,23 +70,32 @@ class LLM:
                                     context_parallel_size=context_parallel_size or 1)
         backend = choose_backend(meshes[0], allow_tf32)
         backend.start_kernel_builds(quantization)  # while the weights load
+        configs = []
+
+        def engine_config(model_config, dtype, mesh, backend):
+            # Decided once the checkpoint's config is read, before its weights
+            # are: bad options, and the context the KV pool holds, cost no load.
+            # max_model_len defaults to the model's whole context (vLLM's rule),
+            # or the longest the KV pool holds (fit_default_context).
+            options = dict(engine_options)
+            default_len = options.get("max_model_len") is None
+            if default_len:
+                options["max_model_len"] = model_config.max_position_embeddings
+            try:
+                config = EngineConfig(**options)
+            except TypeError:
+                known = set(EngineConfig.__dataclass_fields__)
+                unknown = sorted(set(options) - known)
+                raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}") from None
+            config = config.for_backend(backend)
+            if default_len:
+                config = fit_default_context(ModelShape(model_config, dtype, mesh, backend), config)
+            configs.append(config)
+
         self.model = load(model, dtype=dtype, progress=progress, quantization=quantization, mesh=meshes[0],
-                          backend=backend)
+                          backend=backend, before_weights=engine_config)
         self.tokenizer = self.model.tokenizer
-        # max_model_len defaults to the model's whole context (vLLM's rule), or
-        # the longest the KV pool holds (fit_default_context).
-        default_len = engine_options.get("max_model_len") is None
-        if default_len:
-            engine_options["max_model_len"] = self.model.config.max_position_embeddings
-        try:
-            config = EngineConfig(**engine_options)
-        except TypeError:
-            known = set(EngineConfig.__dataclass_fields__)
-            unknown = sorted(set(engine_options) - known)
-            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}") from None
-        config = config.for_backend(self.model.backend)
-        if default_len:
-            config = fit_default_context(self.model, config)
+        config = configs[0]
         self.max_model_len = config.max_model_len
         if len(meshes) == 1:
             self.engine = LLMEngine(self.model, config, progress=progress)

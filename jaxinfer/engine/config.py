@@ -134,11 +134,22 @@ def check_context_parallel(config: EngineConfig, mesh) -> None:
         raise ValueError(f"num_kv_blocks must give each of the {cp} context devices at least 2 blocks")
 
 
-def kv_block_bytes(model: Model, block_size: int, kv_cache_dtype: str = "auto") -> int:
+@dataclass(frozen=True)
+class ModelShape:
+    """What sizing the KV pool needs of a model (a loaded Model has the same
+    fields), known before its weights are read (load's before_weights)."""
+
+    config: object  # ModelConfig, as the model runs it
+    dtype: object
+    mesh: object
+    backend: XlaBackend
+
+
+def kv_block_bytes(model: Model | ModelShape, block_size: int, kv_cache_dtype: str = "auto") -> int:
     return kv_cache.kv_block_bytes(model.config, block_size, model.dtype, kv_cache_dtype)
 
 
-def _pool_budget(model: Model, config: EngineConfig, per_block: int) -> tuple[int, str]:
+def _pool_budget(model: Model | ModelShape, config: EngineConfig, per_block: int) -> tuple[int, str]:
     """The KV pool's bytes on each device (the model's backend decides:
     kv_cache_budget) and what the number is."""
     devices = [jax.devices()[0]] if model.mesh is None else [
@@ -148,7 +159,7 @@ def _pool_budget(model: Model, config: EngineConfig, per_block: int) -> tuple[in
                                          config.max_num_seqs * blocks_per_request * per_block)
 
 
-def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int = 0) -> int:
+def choose_num_blocks(model: Model | ModelShape, config: EngineConfig, extra_block_bytes: int = 0) -> int:
     """extra_block_bytes: memory per block of another pool with as many blocks
     (a draft model's), which shares the budget."""
     if config.num_kv_blocks is not None:
@@ -168,7 +179,7 @@ def choose_num_blocks(model: Model, config: EngineConfig, extra_block_bytes: int
     return num_blocks
 
 
-def fit_default_context(model: Model, config: EngineConfig) -> EngineConfig:
+def fit_default_context(model: Model | ModelShape, config: EngineConfig) -> EngineConfig:
     """A max_model_len taken from the model (not given) when the KV pool can
     hold one request of it; else the longest context the pool holds, said in
     one line (the pool already grows to one full request where the backend

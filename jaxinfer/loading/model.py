@@ -120,7 +120,7 @@ def choose_quantization(quantization: str | None, source, backend: XlaBackend) -
 
 
 def load(model=None, dtype="auto", progress: bool = True, quantization: str | None = "auto", mesh=None,
-         backend: XlaBackend | None = None) -> Model:
+         backend: XlaBackend | None = None, before_weights=None) -> Model:
     """Load a model: None (the embedded SmolLM2-135M-Instruct), a HF directory
     (config.json + safetensors), a .gguf file, or a jaxinfer checkpoint directory
     (`jaxinfer convert`). dtype: of the unquantized weights and the
@@ -154,7 +154,12 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
     head forms a GGUF load keeps, and lays the loaded params out for itself
     (backend.arrange_weights: e.g. tiled for the CPU kernels, one array per layer on
     a GPU). Tools that need the stacked layout whatever the platform
-    (checkpoint conversion, calibration) pass XlaBackend()."""
+    (checkpoint conversion, calibration) pass XlaBackend().
+
+    before_weights: None, or a function called with (config as the model
+    will run it, dtype, mesh, backend) once the checkpoint's config is read
+    and before any weight is, to decide (or refuse) what depends on those
+    alone, such as the KV pool (LLM)."""
     if quantization not in (None, "auto", *QUANTIZATIONS):
         raise ValueError(f"quantization must be None, 'auto' or one of {QUANTIZATIONS}, got {quantization!r}")
     enable_compilation_cache()
@@ -172,6 +177,8 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
 
         # Checks the sizes divide before anything is read.
         run_config = sharded_config(config, tensor_parallel_size(mesh))
+    if before_weights is not None:
+        before_weights(run_config, np_dtype, mesh, backend)
     if isinstance(source, OrbaxCheckpoint):  # a jaxinfer checkpoint: restored by orbax onto the device(s)
         if quantization in (*GGUF_QUANTIZATIONS, STORED):
             raise ValueError(f'quantization="{quantization}" needs a {"GGUF" if quantization != STORED else "quantized HF"} '

@@ -60,3 +60,27 @@ def test_max_model_len_defaults_to_the_models_context(model_dir, caplog):
     assert small.max_model_len == 7 * 16  # 8 blocks, the null block not counted
     lines = [r.getMessage() for r in caplog.records if r.name == "jaxinfer.engine.config"]
     assert len(lines) == 1 and "max_model_len 112, not the model's 512" in lines[0] and "num_kv_blocks" in lines[0]
+
+
+def test_the_context_is_decided_before_the_weights_load(model_dir, tmp_path, caplog):
+    """Engine options and the context the KV pool holds are settled from the
+    checkpoint's config before any weight is read: a checkpoint missing a
+    weight fails only after both."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxinfer.errors import CheckpointError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    [weights] = broken.glob("*.safetensors")
+    tensors = load_file(weights)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(TypeError, match="unknown engine option"):
+        LLM(str(broken), progress=False, no_such_option=1)
+    with caplog.at_level("WARNING", logger="jaxinfer.engine.config"), pytest.raises(CheckpointError,
+                                                                                   match="lacks tensor"):
+        LLM(str(broken), progress=False, num_kv_blocks=8, max_num_seqs=2, max_num_batched_tokens=32)
+    assert "max_model_len 112, not the model's 512" in caplog.text
