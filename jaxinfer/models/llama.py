@@ -25,8 +25,10 @@ multiply them from the left (`x @ w`):
     lm_head      [hidden, vocab]        (absent when embeddings are tied, unless quantized)
     few_row_head [hidden, vocab]        (optional) a QuantizedTensor of exactly the head's
                                         values, which the CPU backend multiplies where its
-                                        kernel serves the rows (a GGUF's Q8_0 head beside
-                                        its float table: loading/params.py)
+                                        kernel serves the rows (a GGUF's tied head in its
+                                        blocks: loading/params.py); where it is int8 the CPU
+                                        backend drops the float `embed` table and the
+                                        lookup reads its columns (embed_tokens)
 
 A MoE whose layers mix dense and sparse MLPs (Qwen's mlp_only_layers /
 decoder_sparse_step) holds both kinds of weight for every layer, zeros
@@ -205,12 +207,12 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
 
 def embed_tokens(params: dict, tokens):
     """Embeddings [..., hidden] of int tokens [...], in the params' float dtype.
-    Without a float `embed` table (tied embeddings, head quantized per
-    channel), token t's embedding is column t of the head: data[:, t] times
-    its one scale, the same numbers the head multiplies by."""
+    Without a float `embed` table (tied embeddings held only quantized: an
+    int8 head, or a GGUF's Q8_0 table as few_row_head), token t's embedding
+    is column t of the head, dequantized: the same numbers the head
+    multiplies by, and the same the float table held."""
     if "embed" in params:
         return params["embed"][tokens]
-    head = params["lm_head"]
-    columns = jnp.moveaxis(jnp.take(head.data, tokens, axis=-1), 0, -1).astype(jnp.float32)
-    return (columns * head.scales[0][tokens][..., None]).astype(params["final_norm"].dtype)
+    head = params["few_row_head"] if "few_row_head" in params else params["lm_head"]
+    return head.columns(tokens).astype(params["final_norm"].dtype)
 

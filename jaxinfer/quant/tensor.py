@@ -131,6 +131,25 @@ class QuantizedTensor:
         return dataclasses.replace(self, data=from_tiles(data), scales=from_tiles(self.scales),
                                    offsets=from_tiles(self.offsets), tile=0)
 
+    def columns(self, indices) -> jax.Array:
+        """Columns `indices` (int [...]) of a 2-D int8 weight, dequantized:
+        float32 [..., in], the same numbers `dequantize` gives them, read
+        from the plain or the tiled layout without touching the others (a
+        tied model's embeddings taken from its quantized head)."""
+        if self.scheme != "int8" or len(self.shape) != 2:
+            raise ValueError(f"columns of a 2-D int8 weight, not a {self.scheme} one of shape {self.shape}")
+        indices = jnp.asarray(indices)
+        if self.tile:  # [out // tile, rows, tile]: column c is [c // tile, :, c % tile]
+            def pick(a):
+                return a[indices // self.tile, :, indices % self.tile]
+        else:  # [rows, out]
+            def pick(a):
+                return jnp.moveaxis(jnp.take(a, indices, axis=-1), 0, -1)
+        value = pick(self.data).astype(jnp.float32) * jnp.repeat(pick(self.scales), self.group_size, axis=-1)
+        if self.offsets is not None:
+            value = value + jnp.repeat(pick(self.offsets), self.group_size, axis=-1)
+        return value
+
     @property
     def nbytes(self) -> int:
         parts = [self.data, self.scales] + ([self.offsets] if self.offsets is not None else [])

@@ -242,19 +242,25 @@ def test_default_model_gguf_quantized_matches_float_load(default_float):
 
 
 def test_default_model_head_reads_the_files_blocks(default_float):
-    """On CPU the tied Q8_0 head is also kept as stored, for the exact
-    kernel (decode up to FEW_ROW_HEAD_MAX_ROWS sequences): its values are
-    the float table's exactly, and the logits of one row and of a batch of
-    64 through it match the float model's."""
+    """On CPU the tied Q8_0 head is kept as stored, for the exact kernel,
+    and only so: its values are the float table's exactly, the embedding
+    lookup reads its columns (the same numbers, no float copy kept), and
+    the logits of one row, a batch of 64 and one of 300 (past
+    FEW_ROW_HEAD_MAX_ROWS, where the float table used to serve) through it
+    match the float model's."""
     from jaxinfer.backends.cpu_weights import FEW_ROW_HEAD_MAX_ROWS
+    from jaxinfer.models.llama import embed_tokens
 
     model = jaxinfer.load(progress=False)
     head = model.params["few_row_head"]
-    assert (head.scheme, head.group_size) == ("int8", 32)
-    np.testing.assert_array_equal(np.asarray(dequantize(head)).T, np.asarray(default_float.params["embed"]))
+    assert (head.scheme, head.group_size) == ("int8", 32) and "embed" not in model.params
+    table = np.asarray(default_float.params["embed"])
+    np.testing.assert_array_equal(np.asarray(dequantize(head)).T, table)
+    tokens = np.array([[0, 1, 5, 49151, 1234, 7]])
+    np.testing.assert_array_equal(np.asarray(jax.jit(embed_tokens)(model.params, tokens)), table[tokens])
     logits = jax.jit(model.backend.logits)
-    for rows in (1, 64):
-        assert rows <= FEW_ROW_HEAD_MAX_ROWS
+    for rows in (1, 64, 300):
+        assert rows <= FEW_ROW_HEAD_MAX_ROWS or rows == 300
         hidden = jax.random.normal(jax.random.key(rows), (1, rows, model.config.hidden_size), jnp.float32)
         assert cpu_matmul.TARGET_NAME in logits.lower(model.params, hidden).as_text()
         assert_logits_close(logits(model.params, hidden), default_float.backend.logits(default_float.params, hidden),
@@ -346,3 +352,17 @@ def test_bad_quantization_arguments(tiny_dir):
         quantize_params(params, "int4")
     with pytest.raises(ValueError, match=r"group_size 48 must divide"):
         quantize_params(jaxinfer.load(str(tiny_dir), progress=False).params, "int4", 48)
+
+
+@pytest.mark.parametrize("tile", [0, 64])
+def test_columns_are_the_dequantized_columns(tile):
+    """QuantizedTensor.columns (a tied model's embeddings from its head):
+    exactly dequantize's columns, plain or tiled, with groups and offsets."""
+    rng = np.random.default_rng(3)
+    w = QuantizedTensor(jnp.asarray(rng.integers(-127, 128, (96, 128)), jnp.int8),
+                        jnp.asarray(rng.uniform(0.01, 1, (3, 128)), jnp.float32),
+                        jnp.asarray(rng.standard_normal((3, 128)), jnp.float32), "int8", 32)
+    reference = np.asarray(dequantize(w)).T  # [out, in]
+    stored = w.tiled(tile) if tile else w
+    indices = np.array([[0, 127, 64], [63, 5, 5]])
+    np.testing.assert_array_equal(np.asarray(stored.columns(indices)), reference[indices])
