@@ -132,12 +132,14 @@ class QuantizedTensor:
                                    offsets=from_tiles(self.offsets), tile=0)
 
     def columns(self, indices) -> jax.Array:
-        """Columns `indices` (int [...]) of a 2-D int8 weight, dequantized:
-        float32 [..., in], the same numbers `dequantize` gives them, read
-        from the plain or the tiled layout without touching the others (a
-        tied model's embeddings taken from its quantized head)."""
-        if self.scheme != "int8" or len(self.shape) != 2:
-            raise ValueError(f"columns of a 2-D int8 weight, not a {self.scheme} one of shape {self.shape}")
+        """Columns `indices` (int [...]) of a 2-D weight with one code a byte
+        (int8, w8a8, fp8), dequantized: float32 [..., in], the same numbers
+        `dequantize` gives them, read from the plain or the tiled layout
+        without touching the others (a tied model's embeddings taken from
+        its quantized head)."""
+        if self.scheme == "int4" or len(self.shape) != 2:
+            raise ValueError(f"columns of a 2-D weight of one code a byte, not a {self.scheme} one of shape "
+                             f"{self.shape}")
         indices = jnp.asarray(indices)
         if self.tile:  # [out // tile, rows, tile]: column c is [c // tile, :, c % tile]
             def pick(a):
