@@ -17,7 +17,6 @@ an error.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import weakref
@@ -245,4 +244,10 @@ class _BackgroundCompile:
             job.join()
 
 
-atexit.register(_BackgroundCompile.stop_all)
+# At the start of interpreter shutdown, before concurrent.futures drains its
+# pools (registered earlier, so it runs after this: these callbacks run in
+# reverse): each job stops after its current program, so no compile is left
+# running in a daemon thread while the interpreter finalizes, which aborted the
+# process ("FATAL: exception not rethrown"). atexit proper runs too late: after
+# the pools' drain has started every queued compile.
+threading._register_atexit(_BackgroundCompile.stop_all)
