@@ -70,6 +70,9 @@ class DataParallelEngine:
     def validate_priority(self, name, priority) -> None:
         self.replicas[0].validate_priority(name, priority)
 
+    def grammar_timeout_message(self, params) -> str:
+        return self.replicas[0].grammar_timeout_message(params)
+
     def check_structured_outputs(self, name, params) -> None:
         self.replicas[0].check_structured_outputs(name, params)  # each replica compiles (and caches) its own
 

@@ -223,11 +223,12 @@ class LLMEngine:
             future = self.grammar_compiler.submit(params.structured_outputs)
             future.result(timeout=self.config.structured_outputs_compile_timeout)
         except concurrent.futures.TimeoutError:
-            raise RequestError(f"{name}: {self._timeout_message(params)}") from None
+            raise RequestError(f"{name}: {self.grammar_timeout_message(params)}") from None
         except GrammarError as e:
             raise RequestError(f"{name}: {e}") from None
 
-    def _timeout_message(self, params: SamplingParams) -> str:
+    def grammar_timeout_message(self, params: SamplingParams) -> str:
+        """Why a request whose grammar outran its compile time fails (here and at the server)."""
         return (f"structured_outputs.{params.structured_outputs.kind}: the grammar did not compile within "
                 f"structured_outputs_compile_timeout={self.config.structured_outputs_compile_timeout} s")
 
@@ -312,7 +313,7 @@ class LLMEngine:
                 message = str(error) if isinstance(error, GrammarError) else (
                     f"structured_outputs.{params.structured_outputs.kind}: {type(error).__name__}: {error}")
             elif now > deadline:
-                message = self._timeout_message(params)
+                message = self.grammar_timeout_message(params)
             else:
                 still.append((state, future, deadline))
                 continue

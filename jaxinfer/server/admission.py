@@ -77,13 +77,11 @@ async def compile_grammar(state: ServerState, name: str, params) -> None:
         raise APIError(429, f"the server is at capacity: {e}", "response_format", "queue_full") from None
     except RequestError as e:
         raise APIError(400, str(e), "response_format") from None
-    timeout = engine.config.structured_outputs_compile_timeout
     try:
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                               engine.config.structured_outputs_compile_timeout)
     except asyncio.TimeoutError:
-        raise APIError(400, f"{name}: structured_outputs.{params.structured_outputs.kind}: the grammar did not "
-                            f"compile within structured_outputs_compile_timeout={timeout} s",
-                       "response_format") from None
+        raise APIError(400, f"{name}: {engine.grammar_timeout_message(params)}", "response_format") from None
     except GrammarError as e:
         raise APIError(400, f"{name}: {e}", "response_format") from None
 
