@@ -58,7 +58,8 @@ def window_spans(num_tokens: int, context_len: int, stride: int) -> list[tuple[i
 def _allocate_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype, kv_cache_dtype: str, backend):
     from jaxinfer.models.kv_cache import allocate_kv_cache
 
-    return allocate_kv_cache(config, num_blocks, block_size, dtype, kv_cache_dtype, fp8_dtype=backend.kv_fp8_dtype)
+    return allocate_kv_cache(config, num_blocks, block_size, dtype, kv_cache_dtype, fp8_dtype=backend.kv_fp8_dtype,
+                             zeros=backend.zeros)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("kv_cache",))

@@ -46,7 +46,7 @@ from jaxinfer.backends import cpu_weights
 from jaxinfer.backends.host_memory import available_host_bytes, keep_freed_host_memory
 from jaxinfer.backends.xla import XlaBackend
 from jaxinfer.models.paged_attention import PagedAttentionMetadata
-from jaxinfer.native import matmul, paged_attention
+from jaxinfer.native import matmul, paged_attention, zeroed_buffer
 from jaxinfer.native.build import cpu_has
 from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.quant.layer_weights import LayerOf
@@ -123,11 +123,19 @@ class CpuBackend(XlaBackend):
         The int8-activation matmul only for the load that uses it ("gguf-a8")."""
         if not self.native:
             return
-        builds = [paged_attention.available, matmul.available]
+        builds = [paged_attention.available, matmul.available, zeroed_buffer.available]
         if quantization == "gguf-a8":
             builds.append(matmul.q8_available)
         for available in builds:
             threading.Thread(target=available, daemon=True).start()
+
+    def zeros(self, shape: tuple, dtype) -> jax.Array:
+        """Zeroed host memory left unallocated until written
+        (native/zeroed_buffer.py): the KV pool costs no time at start and
+        becomes resident only as far as its blocks are used."""
+        if not self.native:
+            return super().zeros(shape, dtype)
+        return zeroed_buffer.zeros(shape, dtype)
 
     def kv_cache_budget(self, devices, memory_fraction: float, one_request_bytes: int,
                         every_request_bytes: int) -> tuple[int, str]:

@@ -176,6 +176,10 @@ class XlaBackend:
         return (min(every_request_bytes, self.host_kv_cache_bytes),
                 f"the default of {self.host_kv_cache_bytes // 2**20} MiB")
 
+    def zeros(self, shape: tuple, dtype) -> jax.Array:
+        """A zeroed array on the default device (the KV pool's allocation)."""
+        return jnp.zeros(shape, dtype)
+
     def decode_buckets(self, max_num_seqs: int) -> list[int]:
         """The batch sizes the engine compiles a pure-decode (and a
         verification) step for: every power of two up to max_num_seqs."""

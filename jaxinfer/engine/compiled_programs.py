@@ -132,33 +132,46 @@ class CompiledPrograms:
         gained nothing; several on a GPU's host, where each compilation of an
         unrolled model is mostly one thread's work).
 
-        Programs in the executable cache are loaded, not compiled. Every
-        other program is traced and lowered here, on the calling thread, and
-        only XLA's compilation of the lowered modules runs on the other. JAX
-        calls its thread support limited, and lowering on the background
-        thread failed now and then inside JAX's lowering (a KeyError on a
-        jaxpr variable) while the engine served; compilation is XLA's C++
-        alone. Lowering all 25 programs of the default engine costs ~2 s of
-        the start (BENCHMARKS.md, "Cold start")."""
+        Programs in the executable cache are loaded, not compiled: the first
+        buckets' before serving, the others' (with background) on the thread,
+        ahead of its compilations, so that a warm start serves its first
+        request after loading a handful of programs instead of all of them.
+        Every program not stored is traced and lowered here, on the calling
+        thread, and only XLA's compilation of the lowered modules runs on the
+        other. JAX calls its thread support limited, and lowering on the
+        background thread failed now and then inside JAX's lowering (a
+        KeyError on a jaxpr variable) while the engine served; compilation
+        and loading are XLA's C++ alone. Lowering all 25 programs of the
+        default engine costs ~2 s of the start (BENCHMARKS.md, "Cold start")."""
         buckets = self.buckets()
         layouts = dict.fromkeys(layout for _, _, layout in buckets)
         first = [max(b for b in buckets if b[2] == layout) for layout in layouts]
         rest = sorted((b for b in buckets if b not in first), key=lambda b: b[:2])
         calls = {p: self._warmup_call(p) for p in self.programs()}
+        stored_later: list = []  # stored programs of the rest, loaded on the background thread
         if self.executable_cache is not None:
             self._cache_keys = {p: self.executable_cache.key(p, args, statics) for p, (_, args, statics) in calls.items()}
-            loaded = self.executable_cache.load_all(self._cache_keys, max(LOAD_THREADS, self.backend.compile_threads))
-            self._executables.update(loaded)
-            self.num_loaded = len(loaded)
+            now = set(self._programs_of(first)) if background else set(calls)
+            stored_later = [p for p in calls if p not in now and self.executable_cache.has(self._cache_keys[p])]
+            self._load({p: self._cache_keys[p] for p in calls if p in now})
         lowered = {p: self._lower(p, *calls[p])
-                   for p in tqdm([p for p in calls if p not in self._executables], desc="lowering", unit="program",
-                                 disable=not progress, leave=False)}
+                   for p in tqdm([p for p in calls if p not in self._executables and p not in stored_later],
+                                 desc="lowering", unit="program", disable=not progress, leave=False)}
         self._compile(first, lowered, progress)
         self.warmed_up = True
         if background and rest:
-            self._background = _BackgroundCompile(self, rest, lowered)
+            self._background = _BackgroundCompile(self, rest, lowered, stored_later)
         else:
             self._compile(rest, lowered, progress)
+
+    def _programs_of(self, buckets: list[tuple]) -> list[tuple]:
+        return list(dict.fromkeys(p for b in buckets for p in self.bucket_programs(b)))
+
+    def _load(self, keys: dict) -> None:
+        """Load the programs of `keys` ({program: cache key}) that the executable cache holds."""
+        loaded = self.executable_cache.load_all(keys, max(LOAD_THREADS, self.backend.compile_threads))
+        self._executables.update(loaded)
+        self.num_loaded += len(loaded)
 
     def _warmup_call(self, program: tuple):
         """(jitted program, placeholder arguments of the program's shapes, static arguments): the subclass's."""
@@ -173,14 +186,17 @@ class CompiledPrograms:
                  stop: threading.Event | None = None) -> None:
         """Compile the programs of `buckets` (backend.compile_threads at once),
         marking each bucket ready once all of its programs are, in order."""
-        todo = list(dict.fromkeys(p for b in buckets for p in self.bucket_programs(b) if p not in self._executables))
+        todo = [p for p in self._programs_of(buckets) if p not in self._executables and p in lowered]
         with ThreadPoolExecutor(self.backend.compile_threads, thread_name_prefix="jaxinfer-compile") as pool:
             futures = {p: pool.submit(self._compile_one, lowered[p], p) for p in todo}
             for bucket in tqdm(buckets, desc="compiling", unit="bucket", disable=not progress, leave=False):
                 for program in self.bucket_programs(bucket):
                     if program in futures:
                         self._executables[program] = futures[program].result()
-                self._ready = self._ready | {bucket}  # rebound, never mutated: bucket() reads it from another thread
+                if all(p in self._executables for p in self.bucket_programs(bucket)):
+                    self._ready = self._ready | {bucket}  # rebound, never mutated: bucket() reads it from another thread
+                else:  # stored, but its entry did not load on the background thread (and was not lowered)
+                    log.warning("bucket %s stays unused: a stored program of it did not load", bucket)
                 if stop is not None and stop.is_set():
                     pool.shutdown(cancel_futures=True)
                     return
@@ -220,15 +236,17 @@ class _BackgroundCompile:
 
     _running: weakref.WeakSet = weakref.WeakSet()
 
-    def __init__(self, programs: CompiledPrograms, buckets: list[tuple], lowered: dict):
+    def __init__(self, programs: CompiledPrograms, buckets: list[tuple], lowered: dict, stored: list):
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._main, args=(programs, buckets, lowered), name="jaxinfer-compile",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._main, args=(programs, buckets, lowered, stored),
+                                        name="jaxinfer-compile", daemon=True)
         _BackgroundCompile._running.add(self)
         self._thread.start()
 
-    def _main(self, programs: CompiledPrograms, buckets: list[tuple], lowered: dict) -> None:
+    def _main(self, programs: CompiledPrograms, buckets: list[tuple], lowered: dict, stored: list) -> None:
         try:
+            if stored:
+                programs._load({p: programs._cache_keys[p] for p in stored})
             programs._compile(buckets, lowered, stop=self._stop)
         except Exception:  # the largest buckets still serve every step
             log.exception("background compilation failed; steps keep running in the buckets compiled so far")

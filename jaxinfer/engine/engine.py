@@ -90,7 +90,7 @@ class LLMEngine:
         num_blocks = choose_num_blocks(model, config, extra)
         cache = kv_cache.allocate_kv_cache(model.config, num_blocks, config.block_size, model.dtype,
                                            config.kv_cache_dtype, mesh=model.mesh,
-                                           fp8_dtype=model.backend.kv_fp8_dtype)
+                                           fp8_dtype=model.backend.kv_fp8_dtype, zeros=model.backend.zeros)
         model.backend.start_engine()
         cp = context_parallel_size(model.mesh)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, cp)

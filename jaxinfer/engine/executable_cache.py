@@ -111,6 +111,10 @@ class ExecutableCache:
             loaded = dict(zip(keys, pool.map(self.load, keys.values())))
         return {program: executable for program, executable in loaded.items() if executable is not None}
 
+    def has(self, key: str) -> bool:
+        """Whether an entry is stored under `key` (it may still fail to load)."""
+        return (self.directory / f"{key}.pkl").exists()
+
     def load(self, key: str):
         path = self.directory / f"{key}.pkl"
         try:

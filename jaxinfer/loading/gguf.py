@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.loading.gguf_file import GGUFFile
+from jaxinfer.loading.gguf_package import gguf
 from jaxinfer.quant.kquant import FORMATS, KQuantTensor, pack_bits
 from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
 

@@ -23,8 +23,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
-from gguf.quants import quant_shape_to_byte_shape
+from jaxinfer.loading.gguf_package import gguf
+
+GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC = gguf.GGML_QUANT_SIZES, gguf.GGUF_DEFAULT_ALIGNMENT, gguf.GGUF_MAGIC
+GGMLQuantizationType, GGUFValueType = gguf.GGMLQuantizationType, gguf.GGUFValueType
+quant_shape_to_byte_shape = gguf.quants.quant_shape_to_byte_shape
 
 V = GGUFValueType
 _SCALARS = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i",

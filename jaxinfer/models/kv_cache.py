@@ -69,28 +69,30 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype, kv_cache_dtype: 
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype, kv_cache_dtype: str = "auto",
-                      mesh=None, fp8_dtype=jnp.float8_e4m3fn):
+                      mesh=None, fp8_dtype=jnp.float8_e4m3fn, zeros=jnp.zeros):
     """Zeroed cache pytree for all layers (see the module docstring for its two forms).
     fp8_dtype: as in kv_storage_dtype.
     mesh: None (the default device) or a ("model",) mesh: every part is split
     on its KV-head axis (parallel/sharding.py) and each device zeroes only its shard;
-    on a ("context", "model") mesh the block axis is split over "context" as well."""
+    on a ("context", "model") mesh the block axis is split over "context" as well.
+    zeros: how the single-device pool is allocated (the backend's `zeros`:
+    on CPU, memory that becomes resident only as blocks are written)."""
     shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     storage = kv_storage_dtype(dtype, kv_cache_dtype, fp8_dtype)
 
-    def zeros():
-        pools = (jnp.zeros(shape, storage), jnp.zeros(shape, storage))
+    def pools(zeros):
+        pools = (zeros(shape, storage), zeros(shape, storage))
         if kv_cache_dtype == "auto":
             return pools
-        return pools + (jnp.zeros(shape[:-1], SCALE_DTYPE), jnp.zeros(shape[:-1], SCALE_DTYPE))
+        return pools + (zeros(shape[:-1], SCALE_DTYPE), zeros(shape[:-1], SCALE_DTYPE))
 
     if mesh is None:
-        return zeros()
+        return pools(zeros)
     from jaxinfer.parallel.mesh import context_parallel_size
     from jaxinfer.parallel.sharding import kv_cache_specs, named
 
     specs = kv_cache_specs(kv_cache_dtype != "auto", context_parallel_size(mesh) > 1)
-    return jax.jit(zeros, out_shardings=named(specs, mesh))()
+    return jax.jit(lambda: pools(jnp.zeros), out_shardings=named(specs, mesh))()
 
 
 def quantize_kv(x, storage_dtype):

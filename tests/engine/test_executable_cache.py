@@ -32,6 +32,11 @@ runner = llm.engine.runner
 print("RESULT " + json.dumps({"loaded": runner.num_loaded, "programs": len(runner.programs()),
                               "tokens": [o.outputs[0].token_ids for o in outs]}))
 """
+# The same with background compilation (the default): what warm-up had loaded
+# when LLM() returned, and what after the background thread finished.
+CHILD_BACKGROUND = CHILD.replace("background_compile=False", "background_compile=True").replace(
+    "llm = start()", "llm = start()\nloaded_at_start = llm.engine.runner.num_loaded").replace(
+    "print(", "llm.wait_compiled()\nprint(").replace('{"loaded"', '{"loaded_at_start": loaded_at_start, "loaded"')
 # The same, with an engine started (and its programs stored) first in the same process.
 CHILD_SECOND_START = CHILD.replace("llm = start()", "del start().engine\nllm = start()")
 
@@ -93,4 +98,20 @@ def test_single_device_engine_restarts_on_a_host_with_several_devices(tiny, tmp_
     expected = [hf_greedy(hf_model, p, 10) for p in prompts]
     second = start(model_dir, tmp_path / "cache", prompts, child=CHILD_SECOND_START, devices=8)
     assert second["loaded"] == second["programs"] > 0
+    assert second["tokens"] == expected
+
+
+def test_a_warm_start_loads_the_first_buckets_then_the_rest_in_the_background(tiny, tmp_path):
+    """With background compilation, warm-up loads only the programs of the
+    largest bucket of each layout before LLM() returns; the background
+    thread loads the others (none is compiled or lowered again), and the
+    tokens are HF's whichever buckets served them."""
+    hf_model, model_dir = tiny
+    prompts = [np.random.default_rng(2).integers(0, 128, 6).tolist()]
+    expected = [hf_greedy(hf_model, p, 10) for p in prompts]
+    cache = tmp_path / "cache"
+    first = start(model_dir, cache, prompts)
+    second = start(model_dir, cache, prompts, child=CHILD_BACKGROUND)
+    assert 0 < second["loaded_at_start"] < second["programs"]
+    assert second["loaded"] == second["programs"] == first["programs"]
     assert second["tokens"] == expected

@@ -100,7 +100,7 @@ class DraftModelProposer(Proposer):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         cache = kv_cache.allocate_kv_cache(draft.config, num_blocks, config.block_size, draft.dtype,
                                            config.kv_cache_dtype, mesh=draft.mesh,
-                                           fp8_dtype=draft.backend.kv_fp8_dtype)
+                                           fp8_dtype=draft.backend.kv_fp8_dtype, zeros=draft.backend.zeros)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(
             draft.config, draft.params, cache, config.block_size, config.max_model_len, config.max_num_seqs,
