@@ -23,6 +23,7 @@ import numpy as np
 from jaxinfer import LLM, SamplingParams, load
 from jaxinfer.parallel.mesh import replica_meshes
 from jaxinfer.parallel.sharding import is_replicated, param_specs
+from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.tensor import QuantizedTensor
 from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model, save_hf_model
 
@@ -95,7 +96,10 @@ def _flat(tree, prefix=""):
 
 
 def _parts(path, leaf, spec):
-    if isinstance(leaf, QuantizedTensor):
+    if isinstance(leaf, InputOrdered):  # the permuted weight split like any other, its order replicated
+        yield from _parts(path, leaf.weight, spec.weight)
+        yield f"{path}/order", leaf.order, spec.order
+    elif isinstance(leaf, QuantizedTensor):
         for name in ("data", "scales", "offsets"):
             if getattr(leaf, name) is not None:
                 yield f"{path}/{name}", getattr(leaf, name), getattr(spec, name)
@@ -105,7 +109,7 @@ def _parts(path, leaf, spec):
 
 # Replicated by declaration: the norms, and per-channel scales (offsets) of row-parallel weights.
 DECLARED_REPLICATED = re.compile(r"^(final_norm|layers/(attn_norm|mlp_norm|q_norm|k_norm|router|shared_expert_gate)"
-                                 r"|layers/(wo|w_down|shared_w_down)/(scales|offsets))$")
+                                 r"|layers/(wo|w_down|shared_w_down)/(scales|offsets)|layers/\w+/order)$")
 
 
 def check_param_shardings(params, mesh) -> int:
@@ -469,7 +473,9 @@ def gptq_tp_group():
     whole groups, its scales and offsets split with its packed int4 rows; and
     asymmetric gptq_v2 groups of 64 at TP 4 (KV heads repeated, int4 codes and
     scales with them), two groups over four shards, so the scales of wo /
-    w_down are replicated beside the split rows. Greedy tokens equal the
+    w_down are replicated beside the split rows; and an act-order (desc_act)
+    checkpoint at TP 2, its permuted rows split like any others and each
+    row-parallel input gathered by its order before the split. Greedy tokens equal the
     single-device load's and HF's on the dequantized float64 reference,
     logits the single-device load's."""
     from pathlib import Path
@@ -479,9 +485,10 @@ def gptq_tp_group():
 
     prompts, max_tokens = workload()
     probe = list(range(3, 3 + 29))
-    for tp, group_size, sym, fmt in ((2, 32, True, "gptq"), (4, 64, False, "gptq_v2")):
+    for tp, group_size, sym, fmt, act_order in ((2, 32, True, "gptq", None), (4, 64, False, "gptq_v2", None),
+                                                (2, 16, True, "gptq", 3)):
         directory, reference = gptq_checkpoint(make_hf_model("llama_tp", seed=7), Path(tempfile.mkdtemp()), 4,
-                                               group_size, sym, fmt)
+                                               group_size, sym, fmt, act_order_seed=act_order)
         single = load(str(directory), progress=False)
         assert single.quantization == "stored"
         ref_tokens, _ = reference_greedy(single, prompts, max_tokens)
@@ -489,6 +496,8 @@ def gptq_tp_group():
         llm = LLM(str(directory), progress=False, tensor_parallel_size=tp, **ENGINE)
         for key in ("wo", "w_down"):  # row-parallel: the packed rows split, the scales with them where whole
             w = llm.model.params["layers"][key]
+            assert isinstance(w, InputOrdered) == (act_order is not None), w
+            w = w.weight if isinstance(w, InputOrdered) else w
             assert isinstance(w, QuantizedTensor) and w.scheme == "int4" and w.group_size == group_size, w
             groups, rows = w.scales.shape[1], w.data.shape[1]
             local_groups = groups // tp if groups % tp == 0 else groups
@@ -501,7 +510,7 @@ def gptq_tp_group():
         outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in outputs]
         assert tokens == ref_tokens, (tp, tokens, ref_tokens)
-        log(f"GPTQ int4 {fmt} groups of {group_size} TP{tp}: {num_arrays} arrays as declared, wo / w_down "
+        log(f"GPTQ int4 {fmt}{' act-order' if act_order else ''} groups of {group_size} TP{tp}: {num_arrays} arrays as declared, wo / w_down "
             f"scales {'split with their rows' if local_groups < groups else 'replicated'}, greedy tokens equal "
             "single-device and HF")
 

@@ -80,21 +80,49 @@ def with_weights(hf, weights):
     return hf
 
 
-def gptq_checkpoint(hf, directory, bits, group_size, sym, fmt, reference=True):
-    """-> (directory, the reference model, or None without `reference`; hf itself becomes it)."""
+def act_order_permutations(hf, seed):
+    """A random input order per layer and input, as GPTQ's desc_act takes from
+    the Hessian's diagonal: one for q / k / v (one Hessian: the same
+    activations), one for o, one for gate / up, one for down."""
+    rng = np.random.default_rng(seed)
+    c = hf.config
+    q_dim = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    sizes = {"attn": c.hidden_size, "o": q_dim, "mlp": c.hidden_size, "down": c.intermediate_size}
+    inputs = {"self_attn.q_proj": "attn", "self_attn.k_proj": "attn", "self_attn.v_proj": "attn",
+              "self_attn.o_proj": "o", "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp", "mlp.down_proj": "down"}
+    perms = {}
+    for i in range(c.num_hidden_layers):
+        drawn = {k: rng.permutation(n) for k, n in sizes.items()}
+        perms.update({f"model.layers.{i}.{m}": drawn[k] for m, k in inputs.items()})
+    return perms
+
+
+def gptq_checkpoint(hf, directory, bits, group_size, sym, fmt, reference=True, act_order_seed=None):
+    """-> (directory, the reference model, or None without `reference`; hf itself becomes it).
+
+    act_order_seed: a desc_act checkpoint: each linear's input rows quantized
+    in a random order (act_order_permutations), group_size consecutive rows
+    of that order per group, the codes stored back in the model's row order
+    and g_idx[perm[j]] = j // group_size (GPTQ's g_idx[invperm])."""
+    perms = {} if act_order_seed is None else act_order_permutations(hf, act_order_seed)
     tensors, weights = {}, {}
     for name in linear_names(hf):
         w = hf.get_submodule(name).weight.detach().numpy().T.astype(np.float64)  # [in, out]
         group = w.shape[0] if group_size == -1 else group_size
-        codes, zeros, scales = rtn(w, bits, group, sym)
+        perm = perms.get(name, np.arange(w.shape[0]))
+        permuted_codes, zeros, scales = rtn(w[perm], bits, group, sym)
+        codes = np.empty_like(permuted_codes)
+        codes[perm] = permuted_codes
+        g_idx = np.empty(w.shape[0], np.int32)
+        g_idx[perm] = np.arange(w.shape[0]) // group
         stored_zeros = zeros - 1 if fmt == "gptq" else zeros
         tensors[f"{name}.qweight"] = pack_int32(codes, bits, axis=0)
         tensors[f"{name}.qzeros"] = pack_int32(stored_zeros & ((1 << bits) - 1), bits, axis=1)
         tensors[f"{name}.scales"] = scales
-        tensors[f"{name}.g_idx"] = (np.arange(w.shape[0]) // group).astype(np.int32)
-        if reference:
-            weights[name] = dequantized(codes, zeros, scales, group)
-    config = dict(quant_method="gptq", bits=bits, group_size=group_size, sym=sym, desc_act=False,
+        tensors[f"{name}.g_idx"] = g_idx
+        if reference:  # w[i] = (q[i] - zero[g_idx[i]]) * scale[g_idx[i]]
+            weights[name] = ((codes - zeros[g_idx]) * scales[g_idx].astype(np.float64)).T
+    config = dict(quant_method="gptq", bits=bits, group_size=group_size, sym=sym, desc_act=bool(perms),
                   checkpoint_format=fmt)
     directory = write(hf, directory, tensors, config, set(linear_names(hf)))
     return directory, with_weights(hf, weights) if reference else None
@@ -119,5 +147,36 @@ def awq_checkpoint(hf, directory, group_size, reference=True):
         if reference:
             weights[name] = dequantized(codes, zeros, scales, group_size)
     config = dict(quant_method="awq", version="gemm", bits=4, group_size=group_size, zero_point=True)
+    directory = write(hf, directory, tensors, config, set(linear_names(hf)))
+    return directory, with_weights(hf, weights) if reference else None
+
+
+def compressed_act_order_checkpoint(hf, directory, group_size, seed, reference=True):
+    """A compressed-tensors pack-quantized int4 checkpoint with actorder "group"
+    (llm-compressor's GPTQ before compressed-tensors 0.20 removed it, so the
+    library no longer writes one): symmetric signed codes + 8 packed low bits
+    first along the input into `weight_packed` [out, in / 8], `weight_scale`
+    [out, groups], `weight_g_idx` [in] each input's group, groups in random
+    orders as gptq_checkpoint's act order. -> (directory, reference or None)."""
+    perms = act_order_permutations(hf, seed)
+    tensors, weights = {}, {}
+    for name in linear_names(hf):
+        w = hf.get_submodule(name).weight.detach().numpy().T.astype(np.float64)  # [in, out]
+        perm = perms[name]
+        permuted_codes, _, scales = rtn(w[perm], 4, group_size, sym=True)  # unsigned: signed + 8
+        codes = np.empty_like(permuted_codes)
+        codes[perm] = permuted_codes
+        g_idx = np.empty(w.shape[0], np.int32)
+        g_idx[perm] = np.arange(w.shape[0]) // group_size
+        tensors[f"{name}.weight_packed"] = pack_int32(codes.T, 4, axis=1)
+        tensors[f"{name}.weight_scale"] = np.ascontiguousarray(scales.T)
+        tensors[f"{name}.weight_shape"] = np.array(w.shape[::-1], np.int64)
+        tensors[f"{name}.weight_g_idx"] = g_idx
+        if reference:  # w[o, i] = (q[o, i] - 8) * scale[o, g_idx[i]]
+            weights[name] = ((codes - 8) * scales[g_idx].astype(np.float64)).T
+    scheme = dict(targets=["Linear"], weights=dict(num_bits=4, type="int", symmetric=True, strategy="group",
+                                                   group_size=group_size, actorder="group"))
+    config = dict(quant_method="compressed-tensors", format="pack-quantized", quantization_status="compressed",
+                  config_groups={"group_0": scheme}, ignore=["lm_head"])
     directory = write(hf, directory, tensors, config, set(linear_names(hf)))
     return directory, with_weights(hf, weights) if reference else None

@@ -48,6 +48,7 @@ from jaxinfer.backends.xla import XlaBackend
 from jaxinfer.models.paged_attention import PagedAttentionMetadata
 from jaxinfer.native import matmul, paged_attention, zeroed_buffer
 from jaxinfer.native.build import cpu_has
+from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.mixed_stack import MixedStack
@@ -159,7 +160,7 @@ class CpuBackend(XlaBackend):
         if not self.native:
             return super().run_layers(body, carry, layers, num_layers)
         stacked = {k: w for k, w in layers.items()
-                   if isinstance(w, (QuantizedTensor, KQuantTensor, MixedStack)) or k in ROUTED_KEYS}
+                   if isinstance(w, (QuantizedTensor, KQuantTensor, MixedStack, InputOrdered)) or k in ROUTED_KEYS}
         sliced = {k: w for k, w in layers.items() if k not in stacked}
 
         def with_stacked(carry, p, layer_index):

@@ -10,6 +10,8 @@ quant/linear.py is the XLA reference everything else falls back to.
     KQuantTensor with activation_block      q8_matmul.cc's K-quant handler, any rows
     KQuantTensor                            kquant_matmul.cc up to KQUANT_MAX_ROWS
     a MixedStack's layer                    its part's kernel, under a switch (LayerOf.apply)
+    an InputOrdered's layer                 its weight's, on the activations gathered by its
+                                            order first (models/llama.py, adapted_linears)
     anything else                           the reference on the sliced layer
   The exact kernels (matmul.cc, kquant_matmul.cc) take a weight with an
   activation block where the int8-activation one does not, on the
@@ -43,6 +45,7 @@ import jax.numpy as jnp
 
 from jaxinfer.native import expert_matmul, kquant_matmul, matmul
 from jaxinfer.native.build import cpu_has
+from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import linear
@@ -255,9 +258,12 @@ def tileable(w: QuantizedTensor) -> bool:
 def tiled(w):
     """w in its kernel's tiles where a kernel reads it so (tileable; K-quants
     wherever their kernels run: they read tiles only), else as it is; each
-    part of a MixedStack so."""
+    part of a MixedStack so, and the weight of an InputOrdered (its order
+    is the activations')."""
     if isinstance(w, MixedStack):
         return w.replace_parts(tiled)
+    if isinstance(w, InputOrdered):
+        return w.with_weight(tiled(w.weight))
     if isinstance(w, KQuantTensor):
         return w.tiled(kquant_matmul.TILE) if kquant_matmul.tileable(w) else w
     if isinstance(w, QuantizedTensor) and tileable(w):

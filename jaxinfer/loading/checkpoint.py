@@ -78,7 +78,7 @@ def open_checkpoint(model: str | Path | None):
     # A quantization_config's reader, so that no caller reads integer codes
     # as float weights; it refuses what it cannot read before anything is read.
     source = open_prequantized(SafetensorsCheckpoint(path), config, path)
-    if config.num_experts:  # open_prequantized refuses quantized MoE checkpoints
+    if config.num_experts:  # per-expert names, stored forms included, stacked per layer
         from jaxinfer.loading.experts import ExpertTensors
 
         source = ExpertTensors(source, config.num_experts)

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.quant.params import QUANTIZED_KEYS
+from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor
 
 FORMAT = "jaxinfer-orbax"
@@ -90,6 +91,10 @@ def params_structure(params: dict) -> dict:
     QuantizedTensor its logical shape, scheme, group size and the spec of each stored part."""
     structure = {}
     for path, leaf in _flatten(params).items():
+        if isinstance(leaf, InputOrdered):
+            raise ValueError(f"{path} is an act-order weight (input rows stored permuted: quant/input_order.py), "
+                             "which a jaxinfer checkpoint does not hold; convert with --quantize (from the "
+                             "dequantized weights), or load the quantized directory itself")
         if isinstance(leaf, QuantizedTensor):
             parts = {name: _spec(getattr(leaf, name)) for name in _PARTS if getattr(leaf, name) is not None}
             structure[path] = {"shape": list(leaf.shape), "scheme": leaf.scheme, "group_size": leaf.group_size,

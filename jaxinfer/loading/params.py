@@ -48,6 +48,7 @@ from jaxinfer.errors import CheckpointError
 from jaxinfer.models.llama import param_shapes
 from jaxinfer.models.moe import moe_param_shapes
 from jaxinfer.parallel.mesh import tensor_parallel_size
+from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.params import HEAD_SCHEMES, QUANTIZED_KEYS, quantize_weight, with_int8_activations
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 GGUF_QUANTIZATIONS = ("gguf", "gguf-a8")
 # "stored": a quantized HF checkpoint's own weights (GPTQ, AWQ, compressed-
 # tensors, fp8: loading/prequantized/), each linear in the form it maps onto,
+# a MoE's experts one stack [experts, in, out] per layer (loading/experts.py),
 # the head too where the file quantizes it; sources offering `get_stored`.
 STORED = "stored"
 QUANTIZATIONS = (*GGUF_QUANTIZATIONS, STORED, *SCHEMES)
@@ -284,6 +286,8 @@ def _kind(w: QuantizedTensor | KQuantTensor):
     """What must agree for layers to stack as one array."""
     if isinstance(w, KQuantTensor):
         return (w.kind,)
+    if isinstance(w, InputOrdered):  # act-order rows (quant/input_order.py): the label is static too
+        return ("ordered", w.order_of, *_kind(w.weight))
     return w.scheme, w.group_size, w.offsets is None
 
 

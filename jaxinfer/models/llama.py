@@ -39,8 +39,10 @@ unrolled loop). Real checkpoints of these families are all sparse; the padding
 is the price of keeping one form for the rare mixed one.
 
 Any linear weight (the seven per-layer ones, the experts and lm_head) may instead be a
-QuantizedTensor (quant/tensor.py) of the same logical shape; every matmul goes
-through the backend's linear, whose reference is quant/linear.py. The embedding table
+QuantizedTensor (quant/tensor.py) of the same logical shape, and a layer
+weight of an act-order checkpoint an InputOrdered (quant/input_order.py: its
+rows permuted, the activations gathered to match in adapted_linears); every
+matmul goes through the backend's linear, whose reference is quant/linear.py. The embedding table
 stays a float array (it is gathered, not multiplied), except that a tied model
 whose head is quantized per channel may drop it: each token's embedding is
 then its column of the head (embed_tokens).
@@ -56,6 +58,7 @@ from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.layers import apply_rope, rms_norm, rotary_tables
 from jaxinfer.models.lora import lora_delta
 from jaxinfer.models.moe import moe_mlp, moe_param_shapes
+from jaxinfer.quant.input_order import input_groups
 
 
 def param_shapes(config: ModelConfig) -> dict:
@@ -96,8 +99,14 @@ def adapted_linear(x, p: dict, key: str, lora_slots=None, *, backend):
 
 def adapted_linears(x, p: dict, keys, lora_slots=None, *, backend) -> list:
     """adapted_linear of each key on the same x (backend.linears, which may
-    take them in one kernel call)."""
-    ys = backend.linears(x, [p[key] for key in keys])
+    take them in one kernel call). Weights stored with their input rows
+    permuted (quant/input_order.py: act-order checkpoints) multiply x
+    gathered by their order, once for the weights that share one; the LoRA
+    term reads x as it is."""
+    ys = [None] * len(keys)
+    for x_in, indices, ws in input_groups(x, [p[key] for key in keys]):
+        for i, y in zip(indices, backend.linears(x_in, ws)):
+            ys[i] = y
     if lora_slots is None:
         return ys
     # A MoE serves adapters on the attention only (lora/adapter.py): its dense MLPs have no buffers.

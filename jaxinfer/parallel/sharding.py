@@ -33,6 +33,9 @@ weight; scales and offsets [.., in / group, out] follow the output split,
 and follow an input split only where every shard holds whole groups;
 otherwise (per-channel scales of a row-parallel weight: one group) they
 are replicated, declared so, and multiply the all-reduced output.
+An act-order weight (quant/input_order.py) splits its permuted rows so,
+its order replicated: the activations are gathered by the order before
+the split (of a row-parallel weight, GSPMD all-gathers them first).
 
 KV heads (the rule): with num_kv_heads >= N the KV heads are split over the
 N devices and num_kv_heads must be a multiple of N. With num_kv_heads < N,
@@ -56,6 +59,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.parallel.mesh import CONTEXT_AXIS, MODEL_AXIS
+from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.tensor import QuantizedTensor
 
 M = MODEL_AXIS
@@ -124,7 +128,10 @@ def expand_kv_heads(x, num_kv_heads: int, replication: int):
 
 def expand_kv_weight(w, num_kv_heads: int, replication: int):
     """expand_kv_heads for a plain array or every part of a QuantizedTensor
-    (whose data, scales and offsets all end in the output axis)."""
+    (whose data, scales and offsets all end in the output axis); an
+    InputOrdered's order is of its inputs, left as it is."""
+    if isinstance(w, InputOrdered):
+        return w.with_weight(expand_kv_weight(w.weight, num_kv_heads, replication))
     if isinstance(w, QuantizedTensor):
         parts = [None if p is None else expand_kv_heads(p, num_kv_heads, replication)
                  for p in (w.data, w.scales, w.offsets)]
@@ -197,11 +204,10 @@ def param_specs(params: dict, tensor_parallel_size: int) -> dict:
     n = tensor_parallel_size
     specs: dict = {}
     for path, leaf in _flat(params):
-        if isinstance(leaf, QuantizedTensor):
-            logical = logical_spec(path, leaf.shape, n)
-            parts = [None if p is None else part_spec(logical, name, p.shape, n)
-                     for name, p in (("data", leaf.data), ("scales", leaf.scales), ("offsets", leaf.offsets))]
-            spec = dataclasses.replace(leaf, data=parts[0], scales=parts[1], offsets=parts[2])
+        if isinstance(leaf, InputOrdered):
+            spec = InputOrdered(_quantized_specs(path, leaf.weight, n), P(), leaf.order_of)
+        elif isinstance(leaf, QuantizedTensor):
+            spec = _quantized_specs(path, leaf, n)
         else:
             spec = logical_spec(path, leaf.shape, n)
         node = specs
@@ -210,6 +216,13 @@ def param_specs(params: dict, tensor_parallel_size: int) -> dict:
             node = node.setdefault(parent, {})
         node[name] = spec
     return specs
+
+
+def _quantized_specs(path: str, w: QuantizedTensor, tensor_parallel_size: int) -> QuantizedTensor:
+    logical = logical_spec(path, w.shape, tensor_parallel_size)
+    parts = [None if p is None else part_spec(logical, name, p.shape, tensor_parallel_size)
+             for name, p in (("data", w.data), ("scales", w.scales), ("offsets", w.offsets))]
+    return dataclasses.replace(w, data=parts[0], scales=parts[1], offsets=parts[2])
 
 
 def stored_spec(path: str, shape: tuple, logical_shape: tuple, tensor_parallel_size: int) -> P:

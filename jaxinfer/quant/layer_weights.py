@@ -30,7 +30,8 @@ class LayerOf:
     """Layer `index` (traced) of a stacked QuantizedTensor or KQuantTensor
     [layers, ...], of a float stack (a MoE's experts, which a native kernel
     reads in place), or of a MixedStack (quant/mixed_stack.py: `apply`
-    takes the place of `layer()`, since its layers differ in form)."""
+    takes the place of `layer()`, since its layers differ in form), or of
+    an InputOrdered (quant/input_order.py, which unwraps it for the model)."""
     stacked: QuantizedTensor | KQuantTensor | MixedStack | jax.Array
     index: jax.Array
 

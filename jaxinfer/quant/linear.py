@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.quant import kquant
+from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.schemes import absmax_int8, int8_blocks
@@ -74,7 +75,10 @@ def linear(x: jax.Array, w) -> jax.Array:
 
     w: an array, a QuantizedTensor or KQuantTensor [in, out] (or with leading
     layer axes, which broadcast like `x @ w`), or one layer of a stack
-    (LayerOf, the form a MixedStack reaches the layer loop in)."""
+    (LayerOf, the form a MixedStack reaches the layer loop in), or one
+    matrix whose rows are stored permuted (InputOrdered)."""
+    if isinstance(w, InputOrdered):  # rows stored permuted (quant/input_order.py): the inputs follow them
+        return linear(jnp.take(x, w.order, axis=-1), w.weight)
     if isinstance(w, LayerOf):  # a MixedStack's layer under a switch on its format
         return w.apply(lambda stacked, index: linear(x, LayerOf(stacked, index).layer()))
     if isinstance(w, KQuantTensor):

@@ -8,7 +8,14 @@ gptqmodel and autoawq do not install on a CPU-only torch); the reference
 weights are the formats' dequantization formulas in float64 numpy, loaded
 into HF transformers. compressed-tensors
 checkpoints are written by the compressed-tensors library, and HF
-transformers loads the same directory as the reference."""
+transformers loads the same directory as the reference.
+
+Act-order checkpoints (GPTQ desc_act; compressed-tensors actorder "group")
+hold each group's rows anywhere in the weight (g_idx): the reference is the
+same float64 formula with each row's own group, HF holding the values in
+the model's row order."""
+
+import re
 
 import ml_dtypes
 import numpy as np
@@ -16,10 +23,17 @@ import pytest
 import torch
 
 import jaxinfer
-from jaxinfer.errors import UnsupportedModelError
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.backends import XlaBackend, cpu_weights
+from jaxinfer.convert import convert
+from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.loading.checkpoint import open_checkpoint
+from jaxinfer.loading.model import _full_logits
+from jaxinfer.native import matmul as cpu_matmul
+from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.tensor import QuantizedTensor
-from tests.prequantized_writers import awq_checkpoint, gptq_checkpoint, linear_names, with_weights, write
+from tests.prequantized_writers import (awq_checkpoint, compressed_act_order_checkpoint, gptq_checkpoint, linear_names,
+                                        with_weights, write)
 from tests.tiny_models import hf_greedy, hf_logits, make_hf_model
 
 PROMPTS = [[5, 17, 99, 3, 64, 2, 11, 40], [120, 7, 7, 81, 33, 1]]
@@ -131,10 +145,13 @@ def check_rounded_activations(model, reference):
         assert np.array_equal(actual.argmax(-1)[clear], expected.argmax(-1)[clear])
 
 
-def check(directory, reference, scheme, group_size=None):
-    model = jaxinfer.load(str(directory), progress=False)
+def check(directory, reference, scheme, group_size=None, act_order=False, backend=None):
+    model = jaxinfer.load(str(directory), progress=False, backend=backend)
     assert model.quantization == "stored"
     w = model.params["layers"]["w_down"]
+    if act_order:
+        assert isinstance(w, InputOrdered), w
+        w = w.weight
     assert isinstance(w, QuantizedTensor) and w.scheme == scheme, w
     if group_size is not None:
         assert w.group_size == group_size
@@ -158,6 +175,66 @@ def check(directory, reference, scheme, group_size=None):
 def test_gptq(tmp_path, variant, bits, group_size, sym, fmt, scheme, kept_group):
     directory, reference = gptq_checkpoint(make_hf_model(variant, seed=3), tmp_path, bits, group_size, sym, fmt)
     check(directory, reference, scheme, kept_group)
+
+
+@pytest.mark.parametrize("variant,bits,group_size,sym,fmt,scheme,backend", [
+    ("llama", 4, 32, True, "gptq", "int4", None),
+    ("qwen3", 8, 16, False, "gptq_v2", "int8", None),
+    ("llama", 4, 16, False, "gptq", "int4", "xla"),
+])
+def test_gptq_act_order(tmp_path, variant, bits, group_size, sym, fmt, scheme, backend):
+    """desc_act: every layer's rows in their own random order, shared by q / k /
+    v and by gate / up. The CPU backend (its native kernels where they take
+    the weight) and the XLA reference backend."""
+    hf = make_hf_model(variant, seed=8)
+    directory, reference = gptq_checkpoint(hf, tmp_path, bits, group_size, sym, fmt, act_order_seed=9)
+    model = check(directory, reference, scheme, group_size, act_order=True,
+                  backend=XlaBackend() if backend == "xla" else None)
+    layers = model.params["layers"]
+    labels = {key: layers[key].order_of for key in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    assert labels["wq"] == labels["wk"] == labels["wv"] and labels["w_gate"] == labels["w_up"], labels
+    assert len({labels["wq"], labels["wo"]}) == 2 and len({labels["w_gate"], labels["w_down"]}) == 2, labels
+    # A float load of the same directory reads each weight in the model's row order.
+    floats = jaxinfer.load(str(directory), progress=False, quantization=None)
+    np.testing.assert_allclose(floats.logits(PROMPTS[0]), hf_logits(reference, PROMPTS[0]), rtol=0, atol=1e-4)
+
+
+def test_gptq_act_order_int4_runs_the_cpu_kernel(tmp_path):
+    """int4 act-order on the CPU backend's exact kernel (native/matmul.py): the
+    activations gathered once per order, so q / k / v still share one call and
+    gate / up another: 4 calls in the layer body, as for a plain GPTQ load.
+    Then the engine over it, and convert's refusal."""
+    hf = make_hf_model("llama", seed=10)
+    directory, reference = gptq_checkpoint(hf, tmp_path / "act_order", 4, 32, True, "gptq", act_order_seed=11)
+    model = check(directory, reference, "int4", 32, act_order=True)
+    for key in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        assert cpu_weights.kernel_for(1, model.params["layers"][key].weight) is cpu_weights.EXACT, key
+    tokens = np.zeros((1, 8), np.int32)
+    text = _full_logits.lower(model.params, model.config, tokens, model.backend).as_text()
+    assert text.count(f"custom_call @{cpu_matmul.TARGET_NAME}(") == 4
+    # The engine's steps (prefill chunks, one-row decodes) with the reference attention.
+    llm = LLM(str(directory), progress=False, attention="reference", max_model_len=32, block_size=4, max_num_seqs=2,
+              max_num_batched_tokens=16)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(reference, p, NEW_TOKENS) for p in PROMPTS]
+    # A jaxinfer checkpoint does not hold the permuted rows: convert refuses, naming the weight.
+    with pytest.raises(ValueError, match="act-order"):
+        convert(str(directory), tmp_path / "orbax", progress=False, log=lambda *_: None)
+
+
+def test_gptq_act_order_groups_must_be_whole(tmp_path):
+    """A g_idx whose sorted groups are not group_size rows each is refused, naming the tensor."""
+    from safetensors.numpy import load_file, save_file
+
+    directory, _ = gptq_checkpoint(make_hf_model("llama", seed=12), tmp_path, 4, 32, True, "gptq",
+                                   reference=False, act_order_seed=13)
+    tensors = load_file(str(directory / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.g_idx"
+    tensors[name][np.flatnonzero(tensors[name] == 0)[0]] = 1  # group 0: 31 rows, group 1: 33
+    save_file(tensors, str(directory / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=re.escape(name)):
+        jaxinfer.load(str(directory), progress=False)
 
 
 @pytest.mark.parametrize("variant,group_size", [("llama", 32), ("qwen2", 64)])
@@ -187,6 +264,13 @@ def test_compressed_tensors(tmp_path, variant, fmt, weights, inputs, scheme):
     pytest.importorskip("compressed_tensors")
     directory, reference = compressed_checkpoint(variant, 6, tmp_path, fmt, weights, inputs)
     check(directory, reference, scheme)
+
+
+@pytest.mark.parametrize("variant,group_size", [("llama", 32), ("qwen2", 16)])
+def test_compressed_tensors_act_order(tmp_path, variant, group_size):
+    """actorder "group" (weight_g_idx): the same sort at load as GPTQ's desc_act."""
+    directory, reference = compressed_act_order_checkpoint(make_hf_model(variant, seed=14), tmp_path, group_size, 15)
+    check(directory, reference, "int4", group_size, act_order=True)
 
 
 @pytest.mark.parametrize("quantization_config,named", [

@@ -72,10 +72,13 @@ def init_head(config: ModelConfig, key, target_params: dict | None = None) -> di
     space trains much faster than one from scratch), and fc as [0; I], which
     passes the feature through."""
     if target_params is not None:
-        from jaxinfer.quant.tensor import QuantizedTensor, dequantize
+        from jaxinfer.quant.input_order import InputOrdered, logical_value
+        from jaxinfer.quant.tensor import QuantizedTensor
 
         def last(w):  # a quantized target (the default GGUF loads as int4/int8 codes) starts the head dequantized
-            return dequantize(w)[-1] if isinstance(w, QuantizedTensor) else jnp.asarray(w[-1], jnp.float32)
+            if isinstance(w, (QuantizedTensor, InputOrdered)):
+                return logical_value(w)[-1]
+            return jnp.asarray(w[-1], jnp.float32)
 
         layer = {name: last(target_params["layers"][name]) for name in _LAYER_KEYS}
     else:

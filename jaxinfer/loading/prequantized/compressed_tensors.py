@@ -15,7 +15,10 @@ weights are stored:
   float-quantized  `weight` float8_e4m3fn [out, in]
 
 w = (q - zero_point) * weight_scale, scales [1] (tensor), [out, 1]
-(channel), [out, in / group_size] (group) or per block. Kept as: 4-bit
+(channel), [out, in / group_size] (group) or per block. Groups in act
+order (actorder "group": `weight_g_idx` int32 [in], each input's group)
+are sorted into consecutive rows once at load, the weight kept as an
+InputOrdered (act_order.py, quant/input_order.py). Kept as: 4-bit
 codes the int4 form, 8-bit ones int8 (w8a8 where the activations are
 quantized to int8 per token on the fly, symmetric: quant/linear.py's
 scheme), fp8 the fp8 form (activations left float)."""
@@ -28,9 +31,11 @@ import re
 import numpy as np
 
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
+from jaxinfer.loading.prequantized.act_order import group_order, order_label
 from jaxinfer.loading.prequantized.fp8_weights import block_fp8, channel_fp8, grouped_fp8
 from jaxinfer.loading.prequantized.packing import unpack_int32
 from jaxinfer.loading.prequantized.stored_codes import grouped_codes
+from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.tensor import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -116,14 +121,16 @@ class CompressedTensorsFormat:
     def is_quantized(self, prefix: str, names) -> bool:
         return self._scheme(prefix) is not None and (f"{prefix}.weight_scale" in names)
 
-    def read(self, prefix: str, get, names) -> QuantizedTensor:
+    def read(self, prefix: str, get, names) -> QuantizedTensor | InputOrdered:
         fmt, weights, inputs = self._scheme(prefix)
         kind, bits = weights.get("type", "int"), int(weights.get("num_bits", 8))
         strategy, symmetric = weights.get("strategy", "tensor"), weights.get("symmetric", True)
         scales = np.asarray(get(f"{prefix}.weight_scale"), np.float32)
-        if f"{prefix}.weight_g_idx" in names:
-            raise UnsupportedModelError(f"{self.where}: {prefix} has act-order groups (weight_g_idx); not supported yet")
+        g_idx = np.asarray(get(f"{prefix}.weight_g_idx")) if f"{prefix}.weight_g_idx" in names else None
         if kind == "float":
+            if g_idx is not None:
+                raise UnsupportedModelError(f"{self.where}: {prefix}: act-order groups (weight_g_idx) of fp8 "
+                                            "weights are not supported")
             weight = get(f"{prefix}.weight")
             if strategy == "block":
                 return block_fp8(weight, scales, tuple(weights["block_structure"]), prefix)
@@ -138,6 +145,9 @@ class CompressedTensorsFormat:
         out_features, in_features = codes.shape
         group_size = int(weights["group_size"]) if strategy == "group" else in_features
         groups = in_features // group_size
+        order = None if g_idx is None else group_order(g_idx, in_features, group_size, f"{prefix}.weight_g_idx")
+        if order is not None:
+            codes = codes[:, order]
         scales = np.broadcast_to(scales.reshape(scales.shape[0], -1) if scales.size > 1 else scales.reshape(1, 1),
                                  (out_features, groups))
         zeros = np.zeros((out_features, groups), np.int32)
@@ -154,6 +164,11 @@ class CompressedTensorsFormat:
         if bits == 8 and symmetric:  # int8 codes as they are, no offsets: the int8 / w8a8 forms
             data = np.ascontiguousarray((codes.astype(np.int16) - 128).astype(np.int8).T)
             scheme = "w8a8" if inputs else "int8"
-            return QuantizedTensor(data, np.ascontiguousarray(scales.T.astype(np.float32)), None, scheme, group_size)
-        return grouped_codes(np.ascontiguousarray(codes.T), unsigned_zeros.T, np.ascontiguousarray(scales.T), bits,
-                             group_size, prefix)
+            weight = QuantizedTensor(data, np.ascontiguousarray(scales.T.astype(np.float32)), None, scheme,
+                                     group_size)
+        else:
+            weight = grouped_codes(np.ascontiguousarray(codes.T), unsigned_zeros.T, np.ascontiguousarray(scales.T),
+                                   bits, group_size, prefix)
+        if order is None:
+            return weight
+        return InputOrdered(weight, order, order_label(prefix, "weight_g_idx", g_idx, get, names))

@@ -3,11 +3,22 @@ tensors as a TensorSource (loading/params.py) that also gives each quantized
 linear weight in its stored form (`get_stored`), and refuses what it cannot
 read rather than reading integer codes as floats.
 
-  gptq                 4 / 8 bits -> int4 / int8 + zero points (gptq.py)
+  gptq                 4 / 8 bits -> int4 / int8 + zero points (gptq.py);
+                       desc_act: the same over rows sorted by group, the
+                       activations gathered to match (act_order.py)
   awq (GEMM)           4 bits -> int4 + zero points (awq.py)
-  compressed-tensors   int4 / int8 / w8a8 / fp8 (compressed_tensors.py)
+  compressed-tensors   int4 / int8 / w8a8 / fp8 (compressed_tensors.py);
+                       weight_g_idx likewise
   fp8                  float8_e4m3fn per 128 x 128 block -> fp8 in groups
                        (fp8_weights.py)
+  MoE experts          each expert's linear as the format stores it (Qwen2-
+                       and Qwen3-MoE, OLMoE: mlp.experts.{e}.*_proj; Mixtral:
+                       block_sparse_moe.experts.{e}.w1 / w2 / w3), every form
+                       above; loading/experts.py stacks a layer's experts
+                       into one QuantizedTensor [experts, in, out]. The
+                       router and a shared expert's gate are read as float
+                       (dequantized where a file quantizes them); a shared
+                       expert is a dense linear like any other.
 
 `get(name)` of a quantized linear's `.weight` gives its dequantized float32
 value (a float load, quantization=None, or a round-to-nearest scheme from
@@ -26,7 +37,8 @@ from jaxinfer.loading.prequantized.awq import AwqFormat
 from jaxinfer.loading.prequantized.compressed_tensors import CompressedTensorsFormat
 from jaxinfer.loading.prequantized.fp8_weights import Fp8Format
 from jaxinfer.loading.prequantized.gptq import GptqFormat
-from jaxinfer.quant.tensor import QuantizedTensor, dequantize
+from jaxinfer.quant.input_order import InputOrdered, logical_value
+from jaxinfer.quant.tensor import QuantizedTensor
 
 FORMATS = {"gptq": GptqFormat, "awq": AwqFormat, "compressed-tensors": CompressedTensorsFormat, "fp8": Fp8Format}
 SUPPORTED = "gptq (4/8-bit), awq (GEMM), compressed-tensors (int4/int8/w8a8/fp8), fp8 (block scales)"
@@ -65,8 +77,9 @@ class PrequantizedCheckpoint:
     def names(self):
         return self._names
 
-    def get_stored(self, name: str) -> QuantizedTensor | None:
-        """A linear weight [in, out] in its stored form (numpy leaves), or None where it is stored float."""
+    def get_stored(self, name: str) -> QuantizedTensor | InputOrdered | None:
+        """A linear weight [in, out] in its stored form (numpy leaves; act-order groups an InputOrdered),
+        or None where it is stored float."""
         prefix = self._quantized.get(name)
         if prefix is None:
             return None
@@ -75,7 +88,7 @@ class PrequantizedCheckpoint:
     def get(self, name: str) -> np.ndarray:
         stored = self.get_stored(name)
         if stored is not None:
-            return np.asarray(dequantize(stored, np.float32)).T
+            return np.asarray(logical_value(stored, np.float32)).T
         array = self.source.get(name)
         if not np.issubdtype(array.dtype, np.floating) and array.dtype != ml_dtypes.bfloat16:
             raise CheckpointError(f"{self.description}: tensor {name} is stored as {array.dtype}, which this "
@@ -85,12 +98,10 @@ class PrequantizedCheckpoint:
 
 def open_prequantized(source, config, directory: Path):
     """source itself where config.json has no quantization_config, else a
-    PrequantizedCheckpoint over it (UnsupportedModelError where the method,
-    its options, or the model are not supported)."""
+    PrequantizedCheckpoint over it (UnsupportedModelError where the method or
+    its options are not supported). A MoE's experts are named per expert
+    here; loading/experts.py's ExpertTensors over it stacks them."""
     qc = quantization_config(directory)
     if not qc:
         return source
-    where = str(directory)
-    if config.num_experts:
-        raise UnsupportedModelError(f"{where}: quantized mixture-of-experts checkpoints are not supported yet")
-    return PrequantizedCheckpoint(source, checkpoint_format(qc, where))
+    return PrequantizedCheckpoint(source, checkpoint_format(qc, str(directory)))
