@@ -14,10 +14,15 @@ Layout (the engine's, fixed):
                                 0 marks a padding sequence (output zeros).
 
 Algorithm:
-  * GQA by packing: one program owns one KV head of one sequence and all
-    Q * group query rows that read it (row r = query r // group, head
-    kv_head * group + r % group), padded to a power of two >= 16 so that both
-    dots are legal under Triton. K/V are read once per KV head, not per head.
+  * GQA by gathering rows in place: one program owns one KV head of one
+    sequence and all Q * group query rows that read it (row r = query
+    r // group, head kv_head * group + r % group), which it loads straight
+    out of q [S, Q, H, D] with per-row indices, the rows past Q * group
+    masked to zeros up to a power of two >= 16 so that both dots are legal
+    under Triton. Its output rows are stored the same way, straight into
+    [S, Q, H, D] (or the split partials [S, splits, Q, H, D]): no copy packs
+    q into a padded per-KV-head layout before the kernel or unpacks the
+    output after it. K/V are read once per KV head, not per head.
   * Split-k: grid (S, KVH, num_splits) with a small static num_splits chosen
     from the step's shape (S x KVH), never from the block table's width:
     enough programs in all (about 256, a few per SM) to fill a GPU, so a lone
@@ -42,8 +47,9 @@ Algorithm:
     dynamic, so it never visits a tile past the context or before the window.
   * With several splits each writes its normalized partial output and its
     log-sum-exp, merged outside the kernel in jnp with a log-sum-exp merge
-    (an lse of -inf weighs 0). With one split the kernel writes the final
-    output in q's dtype and there is no merge.
+    over the splits axis (an lse of -inf weighs 0), which gives [S, Q, H, D]
+    as it is. With one split the kernel writes the final output in q's dtype
+    and there is no merge.
 
 NaN safety: cache slots past a context (and the null block, other layers) may
 hold anything, NaN included. K/V/scale loads are masked with other=0 for dead
@@ -130,16 +136,17 @@ def _decode_kernel(
     layer_index_ref,  # [1] int32
     context_lens_ref,  # [S] int32
     block_tables_ref,  # [S, max_blocks] int32
-    q_ref,  # [rows, D] packed query rows of this (sequence, kv head)
+    q_ref,  # [S, Q, H, D] every query (this program gathers its KV head's rows)
     k_pool_ref,  # [L, N, B, KVH, D] whole pool
     v_pool_ref,  # [L, N, B, KVH, D] whole pool
     k_scales_ref,  # [L, N, B, KVH] or None
     v_scales_ref,  # [L, N, B, KVH] or None
-    out_ref,  # [rows, D] normalized output of this split (float32), or final (q's dtype) with one split
-    lse_ref,  # [rows] float32, log-sum-exp of this split (-inf: no keys); None with one split
+    out_ref,  # [S, splits, Q, H, D] normalized partial outputs (float32), or [S, Q, H, D] final (q's dtype)
+    lse_ref,  # [S, splits, Q, H] float32, log-sum-exp of each split (-inf: no keys); None with one split
     *,
     num_queries: int,
     group: int,
+    num_rows: int,
     block_size: int,
     blocks_per_tile: int,
     num_splits: int,
@@ -147,7 +154,7 @@ def _decode_kernel(
     compute_dtype,
 ):
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    num_rows, head_dim = q_ref.shape
+    head_dim = q_ref.shape[-1]
     max_blocks = block_tables_ref.shape[1]
     tile_tokens = blocks_per_tile * block_size
     sm_scale = head_dim**-0.5
@@ -175,7 +182,23 @@ def _decode_kernel(
     slots = token_in_tile % block_size
     feature_index = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], (tile_tokens, head_dim))
 
-    q = q_ref[...]
+    # This KV head's query rows, gathered in place: row r is query r // group,
+    # head kv_head * group + r % group. The rows past Q * group (query index
+    # past Q) are masked: loaded as zeros, never stored. Their indices are
+    # left out of bounds rather than clamped: a clamped row would alias a
+    # live one, and interpret mode's masked store (a scatter of the old value
+    # where the mask is off) could then write that row back over it.
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    row_live = row < num_queries * group
+    row_query = row // group
+    row_head = kv_head * group + row % group
+    rows_shape = (num_rows, head_dim)
+    row_queries = jnp.broadcast_to(row_query[:, None], rows_shape)
+    row_heads = jnp.broadcast_to(row_head[:, None], rows_shape)
+    row_features = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32)[None, :], rows_shape)
+    live_rows = jnp.broadcast_to(row_live[:, None], rows_shape)
+    q = plt.load(q_ref.at[seq, row_queries, row_heads, row_features], mask=live_rows,
+                 other=jnp.zeros((), q_ref.dtype))
     # A zero of the pool's own dtype: the lowering cannot cast an int 0 to fp8.
     pool_zero = jnp.zeros((), k_pool_ref.dtype)
 
@@ -253,9 +276,14 @@ def _decode_kernel(
     acc, row_max, row_sum = lax.fori_loop(0, num_tiles, tile_step, (acc, row_max, row_sum))
 
     has_keys = row_sum > 0.0
-    out_ref[...] = (acc / jnp.where(has_keys, row_sum, 1.0)[:, None]).astype(out_ref.dtype)
-    if lse_ref is not None:
-        lse_ref[...] = jnp.where(has_keys, row_max + jnp.log(jnp.where(has_keys, row_sum, 1.0)), -jnp.inf)
+    out = (acc / jnp.where(has_keys, row_sum, 1.0)[:, None]).astype(out_ref.dtype)
+    # Each live row back where its query and head live; the padding rows nowhere.
+    if lse_ref is None:
+        plt.store(out_ref.at[seq, row_queries, row_heads, row_features], out, mask=live_rows)
+    else:
+        plt.store(out_ref.at[seq, split, row_queries, row_heads, row_features], out, mask=live_rows)
+        lse = jnp.where(has_keys, row_max + jnp.log(jnp.where(has_keys, row_sum, 1.0)), -jnp.inf)
+        plt.store(lse_ref.at[seq, split, row_query, row_head], lse, mask=row_live)
 
 
 def _single_split_kernel(kernel, *refs):
@@ -264,13 +292,14 @@ def _single_split_kernel(kernel, *refs):
 
 
 def _merge_splits(partial_out, partial_lse):
-    """Log-sum-exp merge over axis 2 (splits); splits and rows with no keys
-    (lse = -inf) weigh 0 and an all-empty row gives 0, never NaN."""
-    max_lse = partial_lse.max(axis=2, keepdims=True)
+    """Log-sum-exp merge over axis 1 (splits) of [S, splits, Q, H, (D)];
+    splits and rows with no keys (lse = -inf) weigh 0 and an all-empty row
+    gives 0, never NaN."""
+    max_lse = partial_lse.max(axis=1, keepdims=True)
     max_lse = jnp.where(max_lse == -jnp.inf, 0.0, max_lse)
     weights = jnp.exp(partial_lse - max_lse)
-    total = weights.sum(axis=2)
-    merged = (partial_out * weights[..., None]).sum(axis=2)
+    total = weights.sum(axis=1)
+    merged = (partial_out * weights[..., None]).sum(axis=1)
     return merged / jnp.where(total > 0.0, total, 1.0)[..., None]
 
 
@@ -330,12 +359,8 @@ def paged_decode_attention(
     context_lens = context_lens.astype(jnp.int32)
     layer_index = jnp.asarray(layer_index, jnp.int32).reshape(1)
 
-    # Pack: [S, Q, KVH * group, D] -> [S, KVH, Q * group, D], rows padded to a power of two.
-    rows = num_queries * group
-    padded_rows = max(MIN_DOT_DIM, next_power_of_two(rows))
-    packed_q = q.reshape(num_seqs, num_queries, num_kv_heads, group, head_dim)
-    packed_q = packed_q.transpose(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, rows, head_dim)
-    packed_q = jnp.pad(packed_q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+    # The rows of one KV head a program multiplies, padded (in registers) to a power of two.
+    padded_rows = max(MIN_DOT_DIM, next_power_of_two(num_queries * group))
 
     # Dots run in q's dtype (int8 / fp8 K/V convert to it exactly); accumulation is float32.
     compute_dtype = q.dtype
@@ -343,25 +368,26 @@ def paged_decode_attention(
         _decode_kernel,
         num_queries=num_queries,
         group=group,
+        num_rows=padded_rows,
         block_size=block_size,
         blocks_per_tile=blocks_per_tile,
         num_splits=num_splits,
         sliding_window=sliding_window,
         compute_dtype=compute_dtype,
     )
-    whole = pl.BlockSpec()  # no block_shape: the kernel sees the whole array
+    # No block_shape: the kernel sees the whole array. q and the outputs too:
+    # each program gathers and stores its own rows of them (see the module docstring).
+    whole = pl.BlockSpec()
     scale_spec = whole if quantized else None
-    split_out = pl.BlockSpec((None, None, None, padded_rows, head_dim), lambda s, h, j: (s, h, j, 0, 0))
-    split_lse = pl.BlockSpec((None, None, None, padded_rows), lambda s, h, j: (s, h, j, 0))
     if num_splits == 1:
         # One split sees every key: its normalized output is final, in q's dtype.
-        out_specs = [split_out]
-        out_shape = [jax.ShapeDtypeStruct((num_seqs, num_kv_heads, 1, padded_rows, head_dim), q.dtype)]
+        out_specs = [whole]
+        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     else:
-        out_specs = [split_out, split_lse]
+        out_specs = [whole, whole]
         out_shape = [
-            jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, padded_rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_seqs, num_kv_heads, num_splits, padded_rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_seqs, num_splits, num_queries, num_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_seqs, num_splits, num_queries, num_heads), jnp.float32),
         ]
     outputs = pl.pallas_call(
         kernel if num_splits > 1 else functools.partial(_single_split_kernel, kernel),
@@ -370,7 +396,7 @@ def paged_decode_attention(
             whole,  # layer_index
             whole,  # context_lens
             whole,  # block_tables
-            pl.BlockSpec((None, None, padded_rows, head_dim), lambda s, h, j: (s, h, 0, 0)),
+            whole,  # q
             whole,  # k_pool
             whole,  # v_pool
             scale_spec,  # k_scales
@@ -381,14 +407,10 @@ def paged_decode_attention(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_decode_attention_bpt{blocks_per_tile}_splits{num_splits}",
-    )(layer_index, context_lens, block_tables, packed_q, k_pool, v_pool, k_scales, v_scales)
+    )(layer_index, context_lens, block_tables, q, k_pool, v_pool, k_scales, v_scales)
 
-    if num_splits == 1:
-        out = outputs[0][:, :, 0]
-    else:
-        out = _merge_splits(*outputs)
-    out = out[:, :, :rows].reshape(num_seqs, num_kv_heads, num_queries, group, head_dim)
-    return out.transpose(0, 2, 1, 3, 4).reshape(num_seqs, num_queries, num_heads, head_dim).astype(q.dtype)
+    out = outputs[0] if num_splits == 1 else _merge_splits(*outputs)
+    return out.astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window",))

@@ -8,6 +8,11 @@ a few rows.
                GEMM: a one-row matvec over 32 stacked 4096 x 14336 bf16
                layers ran at 1,231 GB/s on an H200, the same layers as
                separate arrays at 3,800 GB/s (BENCHMARKS.md, "GPU").
+               The weights a layer multiplies on the same input (q|k|v,
+               gate|up, a shared expert's gate|up) are stored concatenated
+               along `out` (FusedColumns): one GEMM or kernel launch reads
+               them, in place, where XLA's dot merger would copy them into
+               a new weight on every step.
   layer loop   a Python loop over the layers (one traced body per layer:
                more to compile than a scan, each weight read once in place).
   operations   quantized weights through pallas_kernels/quantized_matmul.py
@@ -48,6 +53,109 @@ from jaxinfer.utils import powers_of_two
 # decides, where XLA's GEMM is the safer choice. Not yet timed on a GPU.
 PALLAS_MAX_ROWS = 64
 
+# The weights a layer multiplies on the same input, in the order the model
+# asks for them (backend.linears in models/llama.py and models/moe.py).
+FUSED_GROUPS = (("wq", "wk", "wv"), ("w_gate", "w_up"), ("shared_w_gate", "shared_w_up"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FusedColumns:
+    """One layer's weights `names` ([in, size] each) concatenated along out:
+    an array or a QuantizedTensor [in, sum(sizes)], whose groups run along
+    `in`, so its columns are each weight's own codes and scales. Stored in
+    the layers dict under fused_key(names)."""
+    weight: jax.Array | QuantizedTensor
+    names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+    sizes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    def parts(self) -> dict:
+        """Each weight under its own name, as the model's layer dict holds it."""
+        return {name: FusedPart(self, index) for index, name in enumerate(self.names)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FusedPart:
+    """Weight `index` of a FusedColumns: what run_layers hands the model
+    under that weight's name. GpuBackend.linears multiplies a whole group in
+    one call; a part multiplied alone is sliced out of it."""
+    fused: FusedColumns
+    index: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.fused.weight.shape[:-1], self.fused.sizes[self.index])
+
+    def weight(self):
+        """This weight's columns alone (a copy)."""
+        start = sum(self.fused.sizes[:self.index])
+        stop = start + self.fused.sizes[self.index]
+        w = self.fused.weight
+        if isinstance(w, QuantizedTensor):
+            return dataclasses.replace(w, data=w.data[..., start:stop], scales=w.scales[..., start:stop],
+                                       offsets=None if w.offsets is None else w.offsets[..., start:stop])
+        return w[..., start:stop]
+
+
+def fused_key(names) -> str:
+    """The layers dict's key of the FusedColumns of `names`."""
+    return "+".join(names)
+
+
+def _on_one_device(w) -> bool:
+    """Whether every array of w lives on one device: a weight split over a
+    tensor-parallel mesh is split per weight along out (parallel/sharding.py),
+    which a concatenation of the whole weights would not keep."""
+    return all(not isinstance(a, jax.Array) or len(a.sharding.device_set) == 1 for a in jax.tree.leaves(w))
+
+
+def _form(w):
+    """What must agree between weights concatenated along out: everything
+    but the out axis (scheme, groups, dtypes, the input width)."""
+    if isinstance(w, QuantizedTensor):
+        return ("quantized", w.scheme, w.group_size, w.activation_block, w.tile, w.data.dtype, w.data.shape[:-1],
+                w.scales.dtype, w.scales.shape[:-1], None if w.offsets is None else w.offsets.dtype)
+    if isinstance(w, (jax.Array, np.ndarray)):
+        return ("array", w.dtype, w.shape[:-1])
+    return None  # another form (a K-quant tensor): not concatenated
+
+
+def fusable(parts: list) -> bool:
+    """Whether one layer's weights `parts` concatenate exactly along out:
+    all 2-D arrays, or all untiled QuantizedTensors of one scheme, group
+    size and dtype (int8, int4, fp8, w8a8: their groups run along `in`), of
+    the same input width, on one device."""
+    forms = {_form(w) for w in parts}
+    form = forms.pop() if len(forms) == 1 else None
+    if form is None or (form[0] == "quantized" and form[4]):  # a tiled tensor's out axis is cut in tiles
+        return False
+    shape = parts[0].shape
+    return len(shape) == 2 and all(_on_one_device(w) for w in parts)
+
+
+def concatenate_columns(parts: list):
+    """The weights `parts` (fusable) as one [in, sum(out)]."""
+    first = parts[0]
+    if isinstance(first, QuantizedTensor):
+        def cat(arrays):
+            return jnp.concatenate(arrays, axis=-1)
+
+        offsets = None if first.offsets is None else cat([w.offsets for w in parts])
+        return dataclasses.replace(first, data=cat([w.data for w in parts]), scales=cat([w.scales for w in parts]),
+                                   offsets=offsets)
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _whole_group(ws: list) -> FusedColumns | None:
+    """The FusedColumns ws are the parts of, all of them in order, or None."""
+    if not ws or not all(isinstance(w, FusedPart) for w in ws):
+        return None
+    fused = ws[0].fused
+    if any(w.fused is not fused for w in ws) or [w.index for w in ws] != list(range(len(fused.names))):
+        return None
+    return fused
+
 
 @dataclasses.dataclass(frozen=True)
 class GpuBackend(XlaBackend):
@@ -77,9 +185,11 @@ class GpuBackend(XlaBackend):
 
     def compiler_options(self) -> dict | None:
         """XLA's GPU dot merger (threshold 32 MB by default) turns dots that
-        share an input into one dot over a concatenated weight: q/k/v, and
-        gate/up, would be copied into a new weight on every step, an extra
-        read and write of those weights in a step bound by reading them.
+        share an input into one dot over a concatenated weight, copied into a
+        new weight on every step: an extra read and write of those weights in
+        a step bound by reading them. The groups that share an input are
+        stored concatenated already (arrange_weights); a group left apart
+        (forms that differ, a tensor-parallel split) must stay apart too.
         Threshold 0 merges none: each weight is read once, in place."""
         return {"xla_gpu_dot_merger_threshold_mb": 0}
 
@@ -98,20 +208,43 @@ class GpuBackend(XlaBackend):
         return [min(num_tokens, seq_buckets[-1])]
 
     def arrange_weights(self, params: dict) -> dict:
-        """Every stacked layer weight as one array per layer. The stacked copy
-        of each is dropped as soon as it is split, so the extra memory is one
+        """Every stacked layer weight as one array per layer, and each of
+        FUSED_GROUPS whose weights concatenate exactly in every layer
+        (fusable: not where their forms differ, nor split over a mesh) as
+        one FusedColumns per layer under fused_key(names). The stacked copy
+        of each weight is dropped as soon as it is split, and each layer's
+        parts as soon as they are concatenated, so the extra memory is one
         weight's at a time."""
         layers = params["layers"]
         for key in layers:
             if not isinstance(layers[key], PerLayer):
                 layers[key] = PerLayer.unstack(layers[key])
+        for names in FUSED_GROUPS:
+            if not all(isinstance(layers.get(name), PerLayer) for name in names):
+                continue
+            num_layers = len(layers[names[0]])
+            if not all(fusable([layers[name][i] for name in names]) for i in range(num_layers)):
+                continue
+            parts = {name: list(layers.pop(name)) for name in names}
+            fused = []
+            for i in range(num_layers):
+                weights = [parts[name][i] for name in names]
+                sizes = tuple(int(w.shape[-1]) for w in weights)
+                fused.append(FusedColumns(concatenate_columns(weights), names, sizes))
+                for name in names:
+                    parts[name][i] = None
+                del weights
+            layers[fused_key(names)] = PerLayer(fused)
         return params
 
     def run_layers(self, body, carry, layers: dict, num_layers: int):
         with self.precision():
             for i in range(num_layers):
-                p = {k: w[i] if isinstance(w, PerLayer) else jax.tree.map(lambda a: a[i], w)
-                     for k, w in layers.items()}
+                p = {}
+                for k, w in layers.items():
+                    layer = w[i] if isinstance(w, PerLayer) else jax.tree.map(lambda a: a[i], w)
+                    # A fused group reaches the model as its weights, each under its own name.
+                    p.update(layer.parts() if isinstance(layer, FusedColumns) else {k: layer})
                 # A concrete index (numpy, not traced): select_by_layer chooses
                 # by it while tracing.
                 carry = body(carry, p, np.int32(i))
@@ -124,7 +257,18 @@ class GpuBackend(XlaBackend):
             return [expert_matmul.expert_matmul(x, w, expert_ids, interpret=self.interpret) for w in ws]
         return super().expert_linears(x, ws, expert_ids)
 
+    def linears(self, x, ws: list) -> list:
+        """The parts of a fused group, all of them in order: one linear over
+        the group's concatenated weight, its output split by weight."""
+        fused = _whole_group(ws)
+        if fused is None:
+            return [self.linear(x, w) for w in ws]
+        y = self.linear(x, fused.weight)
+        return jnp.split(y, np.cumsum(fused.sizes)[:-1].tolist(), axis=-1)
+
     def linear(self, x, w):
+        if isinstance(w, FusedPart):
+            w = w.weight()
         rows = math.prod(x.shape[:-1])
         if isinstance(w, QuantizedTensor) and rows <= PALLAS_MAX_ROWS:
             from pallas_kernels import quantized_matmul

@@ -4,6 +4,11 @@ copies, the bytes some of its kernels write. scripts/gpu/e2e.py reports them
 for the engine's decode step; tests/models/test_gpu_program_checks.py checks
 the parsing on CPU-compiled programs against XLA's own HloModule.
 
+The same parse reads a lowered program's HLO, before XLA's passes (jax's
+Lowered.as_text(dialect="hlo"): what a CPU-only machine has of a program
+cross-lowered for CUDA). Its dots, custom calls (Pallas kernels) and weight
+copies are the program's own; its "kernels" are every operation, unfused.
+
 Kernel-level computations: the entry and what it runs as a unit of its own
 (call, e.g. a GPU command buffer; while bodies and conditions; conditional
 branches; async wrappers). A fusion's computation, or a reduction's, is the
@@ -34,7 +39,9 @@ BYTES_PER_ELEMENT = {"pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s
                      "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
                      "c128": 16, "token": 0}
 
-_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
+# A computation's header: "name (params) -> shape {" in a compiled module's
+# text, "name {" in a lowered one's (jax's Lowered.as_text(dialect="hlo")).
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+)(?: \(.*\) -> .*)? \{$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _CALLED = re.compile(r"\b(calls|to_apply|body|condition|branch_computations|true_computation|false_computation)="
@@ -74,8 +81,34 @@ class Module:
                     todo += [c for names in instruction.called.values() for c in names]
         return order
 
+    def runs(self) -> Counter:
+        """How many times each kernel-level computation runs per run of the
+        entry, counting each instruction that runs it (a computation called
+        from every layer of a lowered, unoptimized module runs once per
+        layer; a while body counts once)."""
+        levels = self.kernel_level()
+        sites: dict[str, list[str]] = {}  # computation -> the computation of each instruction running it
+        for name in levels:
+            for instruction in self.computations[name]:
+                if instruction.opcode in RUNS_COMPUTATIONS:
+                    for called in {c for names in instruction.called.values() for c in names}:
+                        sites.setdefault(called, []).append(name)
+        runs: Counter = Counter()
+
+        def count(name: str) -> int:
+            if name not in runs:
+                runs[name] = 1 if name == self.entry else sum(count(caller) for caller in sites.get(name, []))
+            return runs[name]
+
+        for name in levels:
+            count(name)
+        return runs
+
     def kernels(self) -> list[Instruction]:
-        return [i for c in self.kernel_level() for i in self.computations[c] if i.opcode not in NOT_KERNELS]
+        """Each kernel as many times as its computation runs."""
+        runs = self.runs()
+        return [i for c in self.kernel_level() for i in self.computations[c] if i.opcode not in NOT_KERNELS
+                for _ in range(runs[c])]
 
 
 def _split_top_level(text: str) -> tuple[str, str]:
@@ -244,3 +277,39 @@ def _fused_computations(module: Module, fusion: Instruction) -> list[str]:
         found.append(name)
         todo += [c for i in module.computations[name] if i.opcode == "fusion" for c in i.called.get("calls", [])]
     return found
+
+
+def weight_readers(text: str, weights_prefix: str = "params") -> dict[str, list[str]]:
+    """Weight (an entry parameter whose name starts with `weights_prefix`)
+    -> "name opcode" of each kernel that reads it, through the operations that
+    only forward it (PASS_THROUGH) and into the computations that take it
+    as an argument (each call followed on its own: a lowered module calls
+    one computation from every layer). A fusion reads what its operands
+    hold; a GEMM reading a weight in place is the one kernel reading it."""
+    module = parse(text)
+    readers: dict[str, list[str]] = {}
+
+    def visit(computation: str, bound: dict[int, str], depth: int = 0) -> None:
+        held: dict[str, str] = {}  # instruction -> the weight it holds
+        for instruction in module.computations.get(computation, []):
+            if instruction.opcode == "parameter":
+                if computation == module.entry and _is_weight(instruction, weights_prefix):
+                    held[instruction.name] = instruction.op_name or instruction.name
+                elif _parameter_index(instruction) in bound:
+                    held[instruction.name] = bound[_parameter_index(instruction)]
+                continue
+            weights = [held.get(o) for o in instruction.operands]
+            if instruction.opcode in PASS_THROUGH:
+                if weights and weights[0]:
+                    held[instruction.name] = weights[0]
+            elif instruction.opcode in RUNS_COMPUTATIONS:
+                if depth < 64 and any(weights):
+                    for names in instruction.called.values():
+                        for called in names:
+                            visit(called, {i: w for i, w in enumerate(weights) if w}, depth + 1)
+            elif instruction.opcode not in NOT_KERNELS:
+                for weight in dict.fromkeys(w for w in weights if w):
+                    readers.setdefault(weight, []).append(f"{instruction.name} {instruction.opcode}")
+
+    visit(module.entry, {})
+    return readers

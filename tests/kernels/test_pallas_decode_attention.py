@@ -357,14 +357,15 @@ def test_grid_and_output_bytes_do_not_grow_with_the_table():
         ((grid, out_bytes),) = shapes
         num_splits = default_num_splits(num_seqs, 8)
         assert grid == (num_seqs, 8, num_splits)
-        # 4 query rows per KV head are padded to Triton's 16.
+        # The 4 query rows of each KV head are written where they live: the
+        # padding rows of the program's 16-row dots are not written at all.
         if num_splits == 1:
             # One split writes the final output in q's dtype (bf16), no log-sum-exp.
-            assert out_bytes == num_seqs * 8 * 16 * 128 * 2
+            assert out_bytes == num_seqs * 8 * 4 * 128 * 2
         else:
-            assert out_bytes == num_seqs * 8 * num_splits * 16 * (128 + 1) * 4
-    # Batch 1 with 8 KV heads: 32 splits and 2 MiB of partials, at any max_model_len.
-    assert decode_call_shape(1, 8, 4, 128, 16, 8192) == ((1, 8, 32), 8 * 32 * 16 * 129 * 4)
+            assert out_bytes == num_seqs * 8 * num_splits * 4 * (128 + 1) * 4
+    # Batch 1 with 8 KV heads: 32 splits and 0.5 MiB of partials, at any max_model_len.
+    assert decode_call_shape(1, 8, 4, 128, 16, 8192) == ((1, 8, 32), 8 * 32 * 4 * 129 * 4)
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "int8"),

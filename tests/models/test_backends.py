@@ -69,25 +69,26 @@ def weights_read_in_place(text: str, op: str) -> int:
 
 def test_gpu_decode_step_reads_each_layer_weight_in_place():
     """The GPU backend's weights are one array per layer and its loop is
-    unrolled: every layer's seven GEMMs take their weight straight from the
+    unrolled: every layer's four GEMMs (q|k|v and gate|up stored joined) take their weight straight from the
     program's arguments, and no stacked weight exists to be sliced. The
     scanned reference backend slices every stacked weight each layer (what
     made XLA copy them on the GPU), which this check sees."""
     types = stacked_weight_types("f32")
     gpu = lowered_decode_step(GpuBackend(), random_params())
-    assert weights_read_in_place(gpu, "stablehlo.dot_general ") == len(LINEAR_KEYS) * CONFIG.num_layers + 1  # + head
+    # q|k|v, wo, gate|up and w_down (q/k/v and gate/up stored concatenated: backends/gpu.py), + the head
+    assert weights_read_in_place(gpu, "stablehlo.dot_general ") == 4 * CONFIG.num_layers + 1
     assert not dynamic_slices_of(gpu, types) and not any(t in gpu for t in types)
     scanned = lowered_decode_step(XlaBackend(attention="pallas"), random_params())
     assert {t for t in types if any(t in line for line in dynamic_slices_of(scanned, types))} == set(types)
 
 
 def test_gpu_quantized_weights_reach_the_pallas_kernel_per_layer():
-    """int8 weights at decode: every layer's seven projections through the
+    """int8 weights at decode: every layer's four joined projections through the
     Pallas matmul (a Triton call), each reading its codes and scales straight
     from the program's arguments."""
     params = quantize_params(random_params(), "int8")
     text = lowered_decode_step(GpuBackend(), params)
-    assert weights_read_in_place(text, r"call @quantized_matmul\w*") == len(LINEAR_KEYS) * CONFIG.num_layers
+    assert weights_read_in_place(text, r"call @quantized_matmul\w*") == 4 * CONFIG.num_layers
     assert not dynamic_slices_of(text, stacked_weight_types("i8"))
 
 
@@ -121,14 +122,14 @@ def test_dtype_auto_is_the_checkpoints_off_cpu(tmp_path):
     assert jaxinfer.load(str(directory), progress=False).dtype == np.float32
     on_gpu = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(attention="reference"))
     assert on_gpu.dtype == jnp.bfloat16 and on_gpu.backend.matmul_precision is None
-    assert on_gpu.params["layers"]["wq"][0].dtype == jnp.bfloat16
+    assert on_gpu.params["layers"]["wq+wk+wv"][0].weight.dtype == jnp.bfloat16
 
 
 def test_per_layer_layout_round_trips():
     params = random_params()
-    stacked = params["layers"]["w_up"]
+    stacked = params["layers"]["w_down"]
     laid_out = GpuBackend().arrange_weights({**params, "layers": dict(params["layers"])})
-    per_layer = laid_out["layers"]["w_up"]
+    per_layer = laid_out["layers"]["w_down"]
     assert isinstance(per_layer, PerLayer) and len(per_layer) == CONFIG.num_layers
     np.testing.assert_array_equal(np.asarray(per_layer.stacked()), np.asarray(stacked))
 
