@@ -17,16 +17,13 @@ import pytest
 import jaxinfer
 from jaxinfer.backends import CpuBackend, GpuBackend, XlaBackend, choose_backend
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.engine.inputs import build_inputs
 from jaxinfer.engine.programs import forward_step
 from jaxinfer.models.kv_cache import allocate_kv_cache
 from jaxinfer.models.llama import param_shapes
 from jaxinfer.quant.layer_weights import PerLayer
 from jaxinfer.quant.params import LINEAR_KEYS, quantize_params
-from jaxinfer.sampling_params import SamplingParams
-from tests.tiny_models import assert_logits_close, hf_greedy, hf_logits, make_hf_model, save_hf_model
+from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model, save_hf_model
 
 # Distinct sizes, so that a stacked weight's shape names it in the module text.
 CONFIG = ModelConfig(architecture="llama", vocab_size=160, hidden_size=64, intermediate_size=96, num_layers=3,
@@ -147,26 +144,6 @@ def test_gpu_backend_model_matches_transformers(tiny):
     assert all(isinstance(w, PerLayer) for w in model.params["layers"].values())
     tokens = np.random.default_rng(5).integers(0, hf_model.config.vocab_size, 40)
     assert_logits_close(model.logits(tokens), hf_logits(hf_model, tokens))
-
-
-def test_gpu_backend_engine_generates_as_transformers(tiny):
-    """The engine on the GPU backend (Pallas attention in interpret mode, the
-    KV pool written layer by layer in the unrolled loop): HF's greedy tokens,
-    through prefill chunks and decode steps."""
-    hf_model, directory = tiny
-    model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend())
-    engine = LLMEngine(model, EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
-                                           attention="pallas", background_compile=False),
-                       progress=False)
-    rng = np.random.default_rng(6)
-    prompts = [rng.integers(0, hf_model.config.vocab_size, n).tolist() for n in (21, 5)]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    for i, prompt in enumerate(prompts):
-        assert list(done[str(i)].outputs[0].token_ids) == hf_greedy(hf_model, prompt, 6)
 
 
 # -- mixtures of experts ------------------------------------------------------------------------------
