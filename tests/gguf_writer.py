@@ -202,7 +202,7 @@ def write_kquant_mix(hf_model, path, mix: dict, seed: int):
     override = {}
     for name, param in hf_model.state_dict().items():
         target = gguf_name(name)
-        if name.endswith("proj.weight") or target == "output.weight":
+        if name.endswith("proj.weight") or target == "output.weight" or target in mix:  # mix may name token_embd
             qtype = mix.get(target, gguf.GGMLQuantizationType.Q4_K)
             override[target] = (random_k_blocks(rng, qtype, *param.shape), qtype)
     return write_gguf(hf_model, path, tensor_type_override=override)

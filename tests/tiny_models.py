@@ -46,6 +46,8 @@ VARIANTS = {
     "llama_tp": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16)),
     # GGUF K-quants (tests/quant/test_weight_schemes.py): every linear's input width a multiple of their 256-weight blocks
     "llama_kquant": ("LlamaConfig", "LlamaForCausalLM", dict(hidden_size=256, intermediate_size=256)),
+    "llama_kquant_tied": ("LlamaConfig", "LlamaForCausalLM",
+                          dict(hidden_size=256, intermediate_size=256, tie_word_embeddings=True)),
     # Context parallelism (tests/parallel/test_context_parallel.py): very small, so 32k-token
     # prompts stay cheap on CPU, with room for them in its positions.
     "llama_ring": ("LlamaConfig", "LlamaForCausalLM",

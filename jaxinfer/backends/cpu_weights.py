@@ -229,13 +229,15 @@ def layout(params: dict) -> dict:
     # here would wait for their build.
     if few_row_head is not None and (isinstance(few_row_head, KQuantTensor) or kernel_for(1, few_row_head)):
         params["few_row_head"] = tiled(few_row_head)
-        # An int8 copy (a GGUF's Q8_0 table) holds every number of the float
-        # table: the lookup reads its columns instead and the float copy goes
-        # (the default model's is 108 MB; a 151k-vocabulary 0.5B's, 545 MB).
+        # An int8 or K-quant copy (a GGUF's Q8_0 or Q6_K table) holds every
+        # number of the float table: the lookup reads its columns instead and
+        # the float copy goes (the default model's is 108 MB; a
+        # 151k-vocabulary 0.5B's, 545 MB).
         # Past FEW_ROW_HEAD_MAX_ROWS the head's rows then run the kernel too,
         # where the float table's dot was a little faster (256 rows 79.4 vs
         # 75.3 ms): rows past 128 are rare on CPU, the memory is every run's.
-        if isinstance(few_row_head, QuantizedTensor) and few_row_head.scheme == "int8":
+        if isinstance(few_row_head, KQuantTensor) or (isinstance(few_row_head, QuantizedTensor)
+                                                      and few_row_head.scheme == "int8"):
             params.pop("embed", None)
     # An untied head in its blocks (no lookup reads its columns while
     # "embed" is there): tiled, as the layers, so that a one-row step

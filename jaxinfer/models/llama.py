@@ -23,12 +23,12 @@ multiply them from the left (`x @ w`):
                  router, expert_*, shared_*   the experts of a MoE (models/moe.py)
     final_norm   [hidden]
     lm_head      [hidden, vocab]        (absent when embeddings are tied, unless quantized)
-    few_row_head [hidden, vocab]        (optional) a QuantizedTensor of exactly the head's
-                                        values, which the CPU backend multiplies where its
-                                        kernel serves the rows (a GGUF's tied head in its
-                                        blocks: loading/params.py); where it is int8 the CPU
-                                        backend drops the float `embed` table and the
-                                        lookup reads its columns (embed_tokens)
+    few_row_head [hidden, vocab]        (optional) a QuantizedTensor or KQuantTensor of exactly
+                                        the head's values, which the CPU backend multiplies
+                                        where its kernel serves the rows (a GGUF's tied head
+                                        in its blocks: loading/params.py); where it is int8
+                                        or a K-quant the CPU backend drops the float `embed`
+                                        table and the lookup reads its columns (embed_tokens)
 
 A MoE whose layers mix dense and sparse MLPs (Qwen's mlp_only_layers /
 decoder_sparse_step) holds both kinds of weight for every layer, zeros
@@ -217,7 +217,7 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
 def embed_tokens(params: dict, tokens):
     """Embeddings [..., hidden] of int tokens [...], in the params' float dtype.
     Without a float `embed` table (tied embeddings held only quantized: an
-    int8 head, or a GGUF's Q8_0 table as few_row_head), token t's embedding
+    int8 head, or a GGUF's Q8_0 or K-quant table as few_row_head), token t's embedding
     is column t of the head, dequantized: the same numbers the head
     multiplies by, and the same the float table held."""
     if "embed" in params:

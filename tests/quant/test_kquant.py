@@ -274,3 +274,28 @@ def test_a_type_without_a_dequantizer_is_named(tmp_path, qtype):
     path = write_gguf(hf_model, tmp_path / "m.gguf", tensor_type_override={"blk.0.ffn_up.weight": (raw, qtype)})
     with pytest.raises(CheckpointError, match=rf"blk\.0\.ffn_up\.weight.*{qtype.name}"):
         jaxinfer.load(str(path), progress=False)
+
+
+@pytest.mark.parametrize("tile", [0, 64])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_columns_are_gguf_values(qtype, tile):
+    """KQuantTensor.columns (a tied model's embeddings from its head's
+    blocks): each column is gguf's dequantized row, plain or tiled."""
+    raw = random_k_blocks(np.random.default_rng(4), qtype, 128, 512)  # a [vocab 128, hidden 512] table
+    table = gguf.quants.dequantize(raw, qtype)
+    w = blocks_to_kquant(raw, qtype, 128, 512)
+    stored = w.tiled(64) if tile else w
+    indices = np.array([[0, 127, 64], [63, 5, 5]])
+    np.testing.assert_array_equal(np.asarray(stored.columns(indices)), table[indices])
+
+
+def test_a_tied_k_quant_table_is_the_only_embedding_copy(tmp_path):
+    """A tied model whose token_embd is Q6_K (a Q4_K_M file's): on CPU the
+    head's blocks are kept, the float table is dropped (the lookup reads
+    the blocks' columns), and the logits are the float load's."""
+    path = write_kquant_mix(make_hf_model("llama_kquant_tied", seed=21), tmp_path / "tied.gguf",
+                            {"token_embd.weight": Q.Q6_K}, seed=8)
+    kquant = jaxinfer.load(str(path), progress=False)
+    assert isinstance(kquant.params["few_row_head"], KQuantTensor) and "embed" not in kquant.params
+    float_load = jaxinfer.load(str(path), progress=False, quantization=None)
+    assert_logits_close(kquant.logits(TOKENS), float_load.logits(TOKENS), rtol=1e-5)
