@@ -207,14 +207,19 @@ class GpuBackend(XlaBackend):
         and a context length each, attended to over no keys)."""
         return [min(num_tokens, seq_buckets[-1])]
 
+    # The loader gives every layer weight one array per layer as it reads
+    # them (loading/params.py): no stacked copy to split here.
+    per_layer_weights: ClassVar[bool] = True
+
     def arrange_weights(self, params: dict) -> dict:
-        """Every stacked layer weight as one array per layer, and each of
-        FUSED_GROUPS whose weights concatenate exactly in every layer
-        (fusable: not where their forms differ, nor split over a mesh) as
-        one FusedColumns per layer under fused_key(names). The stacked copy
-        of each weight is dropped as soon as it is split, and each layer's
-        parts as soon as they are concatenated, so the extra memory is one
-        weight's at a time."""
+        """Every layer weight as one array per layer (as the loader gives
+        them, per_layer_weights; a stacked one, restored from a jaxinfer
+        checkpoint, is split here, its stacked copy dropped as soon as it
+        is), and each of FUSED_GROUPS whose weights concatenate exactly in
+        every layer (fusable: not where their forms differ, nor split over a
+        mesh) as one FusedColumns per layer under fused_key(names). Each
+        layer's parts are dropped as soon as they are concatenated, so the
+        extra memory is one layer's group at a time."""
         layers = params["layers"]
         for key in layers:
             if not isinstance(layers[key], PerLayer):

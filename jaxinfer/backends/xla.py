@@ -73,6 +73,10 @@ class XlaBackend:
     # The KV pool's size where the devices report no memory to measure
     # (kv_cache_budget).
     host_kv_cache_bytes: ClassVar[int] = 512 * 2**20
+    # Whether the loader hands arrange_weights each layer weight as one array
+    # per layer (PerLayer, quant/layer_weights.py), made so as it is read,
+    # instead of stacked [layers, ...].
+    per_layer_weights: ClassVar[bool] = False
 
     # The attention implementation every program runs (with_attention).
     attention: str = "reference"

@@ -120,7 +120,7 @@ def choose_quantization(quantization: str | None, source, backend: XlaBackend) -
 
 
 def load(model=None, dtype="auto", progress: bool = True, quantization: str | None = "auto", mesh=None,
-         backend: XlaBackend | None = None, before_weights=None) -> Model:
+         backend: XlaBackend | None = None, before_weights=None, read_threads: int | None = None) -> Model:
     """Load a model: None (the embedded SmolLM2-135M-Instruct), a HF directory
     (config.json + safetensors), a .gguf file, or a jaxinfer checkpoint directory
     (`jaxinfer convert`). dtype: of the unquantized weights and the
@@ -159,7 +159,10 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
     before_weights: None, or a function called with (config as the model
     will run it, dtype, mesh, backend) once the checkpoint's config is read
     and before any weight is, to decide (or refuse) what depends on those
-    alone, such as the KV pool (LLM)."""
+    alone, such as the KV pool (LLM).
+
+    read_threads: tensors read at once from a safetensors or GGUF file
+    (loading/params.py's build_params; default READ_THREADS, 1 one at a time)."""
     if quantization not in (None, "auto", *QUANTIZATIONS):
         raise ValueError(f"quantization must be None, 'auto' or one of {QUANTIZATIONS}, got {quantization!r}")
     enable_compilation_cache()
@@ -204,7 +207,8 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
             backend.start_weight_kernel_builds(params)
         else:
             params = backend.arrange_weights(build_params(config, source, np_dtype, progress=progress,
-                                                          quantization=quantization, mesh=mesh, backend=backend))
+                                                          quantization=quantization, mesh=mesh, backend=backend,
+                                                          read_threads=read_threads))
             if prepared:
                 prepared.write(params)
     jax.block_until_ready(params)

@@ -4,8 +4,16 @@ Every loader exposes a `TensorSource` with HF tensor names: `names()` and
 `get(name) -> np.ndarray` in HF orientation ([out, in] for linear weights).
 GGUF renames and un-permutes its tensors to fit, so this module is the one
 place that knows how checkpoint tensors map onto models/llama.py's layout.
-Tensors are read, checked, cast and placed on the device one at a time, so
-host memory never holds more than one tensor.
+Tensors are read, checked, cast and placed on the device by READ_THREADS
+worker threads, at most that many at once, so host memory holds at most
+that many tensors; the results are taken in checkpoint order, so the params
+are those of a one-at-a-time read, bit for bit. The work is copying out of
+memory-mapped files and numpy casts and repacking, which run without the
+GIL, so reads of several tensors overlap each other and the device copies.
+
+Layer weights come out stacked [layers, ...], or, for a backend that keeps
+one array per layer (its `per_layer_weights`, the GPU's), as PerLayer
+(quant/layer_weights.py) with no stacked copy ever made.
 
 Linear weights may come out as QuantizedTensors (quant/tensor.py), stacked
 per layer like arrays: `quantization="gguf"` keeps a GGUF file's Q8_0 / Q4_0 /
@@ -27,14 +35,20 @@ output shardings, and per-layer slices are stacked on their own devices.
 No tensor is ever assembled whole on one device. When the KV heads are
 fewer than the devices, wk / wv / bk / bv are read with each KV head
 repeated (parallel/sharding.py, the KV-head rule).
+On a mesh the tensors are read one at a time: the sharded RTN runs programs
+whose cross-device reductions must be launched in the same order on every
+device (and, on several hosts, by every process), which reads finishing in
+any order on worker threads would not keep.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
-from typing import Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +64,7 @@ from jaxinfer.models.moe import moe_param_shapes
 from jaxinfer.parallel.mesh import tensor_parallel_size
 from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.kquant import KQuantTensor
+from jaxinfer.quant.layer_weights import PerLayer
 from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.params import HEAD_SCHEMES, QUANTIZED_KEYS, quantize_weight, with_int8_activations
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor, as_int8_groups
@@ -67,6 +82,10 @@ GGUF_QUANTIZATIONS = ("gguf", "gguf-a8")
 # the head too where the file quantizes it; sources offering `get_stored`.
 STORED = "stored"
 QUANTIZATIONS = (*GGUF_QUANTIZATIONS, STORED, *SCHEMES)
+
+# Tensors read at once (build_params): enough to keep a few host cores and
+# the disk busy; each one in flight holds its host copy.
+READ_THREADS = 4
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -316,15 +335,35 @@ def _zeros_like(w):
     return jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), w)
 
 
+def _in_order(thunks: Iterable[Callable], pool: ThreadPoolExecutor | None, ahead: int) -> Iterator:
+    """Each thunk's result, in the thunks' order. With a pool, up to `ahead`
+    thunks run at once (the one whose result is next among them), so at
+    most that many tensors are in flight; without one, each runs here, in turn."""
+    if pool is None:
+        for thunk in thunks:
+            yield thunk()
+        return
+    pending = collections.deque()
+    for thunk in thunks:
+        pending.append(pool.submit(thunk))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
 def build_params(
     config: ModelConfig, source: TensorSource, dtype="float32", progress: bool = True, quantization: str | None = None,
-    mesh=None, backend: XlaBackend | None = None,
+    mesh=None, backend: XlaBackend | None = None, read_threads: int | None = None,
 ) -> dict:
     """quantization: None or one of QUANTIZATIONS (see the module docstring).
     mesh: None (the default device) or a ("model",) mesh to shard over
     (parallel/sharding.py); the params then fit sharded_config(config, mesh.size).
-    backend: which head forms a GGUF load keeps (default: the reference's);
-    the params come out stacked, for backend.arrange_weights to arrange."""
+    backend: which head forms a GGUF load keeps (default: the reference's)
+    and whether layer weights come out stacked or one array per layer
+    (per_layer_weights), for backend.arrange_weights to arrange.
+    read_threads: tensors read at once (default READ_THREADS; 1 reads them
+    one at a time on this thread; on a mesh always 1, see the module docstring)."""
     backend = backend or XlaBackend()
     dtype = resolve_dtype(dtype)
     if quantization is not None and quantization not in QUANTIZATIONS:
@@ -333,18 +372,34 @@ def build_params(
         raise ValueError(f'quantization="{quantization}" needs a GGUF checkpoint; {source.description} is not one')
     if quantization == STORED and not hasattr(source, "get_stored"):
         raise ValueError(f'quantization="{STORED}" needs a quantized HF checkpoint; {source.description} is not one')
+    read_threads = READ_THREADS if read_threads is None else read_threads
+    if read_threads < 1:
+        raise ValueError(f"read_threads must be at least 1, got {read_threads}")
     placement = None if mesh is None else _Placement(config, mesh)
+    threads = 1 if placement is not None else read_threads
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="read-weights") if threads > 1 else None
+    try:
+        return _build_params(config, source, dtype, progress, quantization, placement, backend, pool, threads)
+    finally:
+        if pool is not None:  # after an error: reads not yet started are dropped, running ones finish
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _build_params(config: ModelConfig, source: TensorSource, dtype: np.dtype, progress: bool,
+                  quantization: str | None, placement: _Placement | None, backend: XlaBackend,
+                  pool: ThreadPoolExecutor | None, threads: int) -> dict:
     # K-quant blocks as stored, and mixed block types one stack per type,
     # where the backend multiplies them so (on one device: the stacks are
     # not split over a mesh).
     k_quants = backend.keeps_k_quants_as_stored() and placement is None
+    # "gguf-a8" marks its weights after the load (with_int8_activations), which
+    # decides float16 scales over a whole stacked weight: it stays stacked.
+    per_layer_layout = backend.per_layer_weights and quantization != "gguf-a8"
     shapes = param_shapes(config)
     total = len(shapes["layers"]) * config.num_layers + len(shapes) - 1
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
-    params = {}
-    for key, shape in shapes.items():
-        if key == "layers":
-            continue
+
+    def read_global(key: str, shape: tuple):
         name, transpose = _GLOBAL_TENSORS[key]
         # Load-time RTN leaves the head float (quantize_params' include_head
         # default); a GGUF head stored quantized stays as stored where the
@@ -357,25 +412,47 @@ def build_params(
         head = _read_direct(source, name, shape, placement, key, k_quants=k_quants) if keep_head else None
         # A head quantized below is read in float32, so it is rounded once.
         read_dtype = np.float32 if quantization in HEAD_SCHEMES and key in ("embed", "lm_head") else dtype
-        params[key] = head if head is not None else _read(source, name, transpose, shape, read_dtype, placement, key)
+        return head if head is not None else _read(source, name, transpose, shape, read_dtype, placement, key)
+
+    def read_layer(key: str, name: str, shape: tuple, quantized: bool):
+        if quantized:
+            return _read_quantized(source, name, shape[1:], quantization, placement, f"layers/{key}", k_quants)
+        transpose = _LAYER_TENSORS[key][1]
+        return _read(source, name, transpose, shape[1:], dtype, placement, f"layers/{key}", layer=True)
+
+    global_keys = [key for key in shapes if key != "layers"]
+    layer_names = {key: [f"model.layers.{i}.{_LAYER_TENSORS[key][0]}" for i in _stored_layers(config, key)]
+                   for key in shapes["layers"]}
+
+    def quantized(key: str) -> bool:
+        return key in QUANTIZED_KEYS and quantization is not None
+
+    # Every tensor in checkpoint order, one stream: the next weight's reads
+    # start while the last layers of this one finish.
+    thunks = [functools.partial(read_global, key, shapes[key]) for key in global_keys]
+    thunks += [functools.partial(read_layer, key, name, shape, quantized(key))
+               for key, shape in shapes["layers"].items() for name in layer_names[key]]
+    results = _in_order(thunks, pool, threads)
+    params = {}
+    for key in global_keys:
+        params[key] = next(results)
         bar.update()
     layers = {}
     for key, shape in shapes["layers"].items():
-        suffix, transpose = _LAYER_TENSORS[key]
         stored = _stored_layers(config, key)
-        names = [f"model.layers.{i}.{suffix}" for i in stored]
-        per_layer = None
-        if key in QUANTIZED_KEYS and quantization is not None:
-            per_layer = [_read_quantized(source, name, shape[1:], quantization, placement, f"layers/{key}",
-                                         k_quants) for name in names]
+        names = layer_names[key]
+        per_layer = [next(results) for _ in names]
+        if quantized(key):
             kinds = {None if w is None else _kind(w) for w in per_layer}
             if len(kinds) > 1 and None not in kinds and any(isinstance(w, KQuantTensor) for w in per_layer):
                 # Layers in different block types, K-quants among them, each
-                # kept at its own size: one stack per type (quant/mixed_stack.py).
+                # kept at its own size: one stack per type (quant/mixed_stack.py),
+                # or each layer as it is where the backend keeps them apart.
                 # (Mixes of the classic types stay one widened stack below.)
-                layers[key] = MixedStack.of(_every_layer(per_layer, stored, config.num_layers), _kind)
+                every = _every_layer(per_layer, stored, config.num_layers)
+                layers[key] = PerLayer(every) if per_layer_layout else MixedStack.of(every, _kind)
                 bar.update(config.num_layers)
-                del per_layer
+                del per_layer, every
                 continue
             if len(kinds) > 1 and None not in kinds and placement is None and quantization != STORED:
                 # Layers in different block types (a Q4_K_M file stores some
@@ -390,13 +467,14 @@ def build_params(
                 # mix types): this weight goes float for all layers.
                 if kinds != {None}:
                     log.warning("%s: layers mix quantized forms; loading %s dequantized", source.description, key)
-                per_layer = None
-        if per_layer is None:
-            per_layer = [_read(source, name, transpose, shape[1:], dtype, placement, f"layers/{key}", layer=True)
-                         for name in names]
+                per_layer = list(_in_order([functools.partial(read_layer, key, name, shape, False) for name in names],
+                                           pool, threads))
         per_layer = _every_layer(per_layer, stored, config.num_layers)
         bar.update(config.num_layers)
-        layers[key] = _stack(per_layer) if placement is None else placement.stack(f"layers/{key}", per_layer)
+        if per_layer_layout:
+            layers[key] = PerLayer(per_layer)
+        else:
+            layers[key] = _stack(per_layer) if placement is None else placement.stack(f"layers/{key}", per_layer)
         del per_layer  # free the unstacked copies before the next weight
     params["layers"] = layers
     bar.close()
