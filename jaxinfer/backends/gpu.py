@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.backends.xla import XlaBackend
+from jaxinfer.quant.fused_columns import FusedColumns, FusedPart, fused_key
 from jaxinfer.quant.layer_weights import PerLayer
 from jaxinfer.quant.linear import linear
 from jaxinfer.quant.schemes import int8_blocks
@@ -56,51 +57,6 @@ PALLAS_MAX_ROWS = 64
 # The weights a layer multiplies on the same input, in the order the model
 # asks for them (backend.linears in models/llama.py and models/moe.py).
 FUSED_GROUPS = (("wq", "wk", "wv"), ("w_gate", "w_up"), ("shared_w_gate", "shared_w_up"))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class FusedColumns:
-    """One layer's weights `names` ([in, size] each) concatenated along out:
-    an array or a QuantizedTensor [in, sum(sizes)], whose groups run along
-    `in`, so its columns are each weight's own codes and scales. Stored in
-    the layers dict under fused_key(names)."""
-    weight: jax.Array | QuantizedTensor
-    names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
-    sizes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-
-    def parts(self) -> dict:
-        """Each weight under its own name, as the model's layer dict holds it."""
-        return {name: FusedPart(self, index) for index, name in enumerate(self.names)}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class FusedPart:
-    """Weight `index` of a FusedColumns: what run_layers hands the model
-    under that weight's name. GpuBackend.linears multiplies a whole group in
-    one call; a part multiplied alone is sliced out of it."""
-    fused: FusedColumns
-    index: int = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.fused.weight.shape[:-1], self.fused.sizes[self.index])
-
-    def weight(self):
-        """This weight's columns alone (a copy)."""
-        start = sum(self.fused.sizes[:self.index])
-        stop = start + self.fused.sizes[self.index]
-        w = self.fused.weight
-        if isinstance(w, QuantizedTensor):
-            return dataclasses.replace(w, data=w.data[..., start:stop], scales=w.scales[..., start:stop],
-                                       offsets=None if w.offsets is None else w.offsets[..., start:stop])
-        return w[..., start:stop]
-
-
-def fused_key(names) -> str:
-    """The layers dict's key of the FusedColumns of `names`."""
-    return "+".join(names)
 
 
 def _on_one_device(w) -> bool:

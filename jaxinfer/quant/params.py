@@ -15,6 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.quant.fused_columns import FusedColumns
 from jaxinfer.quant.kquant import SUPER_BLOCK, KQuantTensor
 from jaxinfer.quant.layer_weights import PerLayer
 from jaxinfer.quant.mixed_stack import MixedStack
@@ -68,15 +69,27 @@ def quantize_params(params: dict, scheme: str, group_size: int | None = None, in
         raise ValueError("fp8 is per output channel only; leave group_size unset")
     out = dict(params)
     layers = dict(params["layers"])
-    for key in (k for k in QUANTIZED_KEYS if k in layers):
+    for key in (k for k in layers if k in QUANTIZED_KEYS or _is_fused(layers[k])):
         w, name = layers[key], f"layers/{key}"
-        layers[key] = (PerLayer(quantize_weight(x, scheme, group_size, name) for x in w) if isinstance(w, PerLayer)
+        layers[key] = (PerLayer(_quantize_layer(x, scheme, group_size, name) for x in w) if isinstance(w, PerLayer)
                        else quantize_weight(w, scheme, group_size, name))
     out["layers"] = layers
     if include_head:
         head = params["lm_head"] if "lm_head" in params else params["embed"].T
         out["lm_head"] = quantize_weight(head, scheme, group_size, name="lm_head")
     return out
+
+
+def _is_fused(w) -> bool:
+    return isinstance(w, PerLayer) and len(w) > 0 and isinstance(w[0], FusedColumns)
+
+
+def _quantize_layer(w, scheme: str, group_size: int | None, name: str):
+    """One layer's weight; a fused group quantized whole: its groups run along
+    `in`, so its columns get the scales each weight would get alone."""
+    if isinstance(w, FusedColumns):
+        return dataclasses.replace(w, weight=quantize_weight(w.weight, scheme, group_size, name))
+    return quantize_weight(w, scheme, group_size, name)
 
 
 def with_int8_activations(params: dict) -> dict:

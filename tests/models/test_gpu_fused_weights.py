@@ -27,7 +27,8 @@ import torch
 
 import jaxinfer
 from jaxinfer.backends import GpuBackend, XlaBackend
-from jaxinfer.backends.gpu import FUSED_GROUPS, FusedColumns, fused_key
+from jaxinfer.backends.gpu import FUSED_GROUPS
+from jaxinfer.quant.fused_columns import FusedColumns, fused_key
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import LLMEngine
@@ -243,3 +244,22 @@ print(sorted(GpuBackend().arrange_weights(params)["layers"]))
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.split("\n")[-2] == str(sorted(param_shapes(CONFIG)["layers"]))
+
+
+def test_quantizing_fused_weights_quantizes_each_group_whole(tiny):
+    """quantize_params on the GPU layout (a quantized draft made from the
+    target's weights, engine/spec/draft_model.py): each fused group comes out
+    quantized, bit for bit what fusing the quantized weights gives (a load
+    quantized as it reads, then arranged)."""
+    _, directory = tiny
+    fused = jaxinfer.load(str(directory), progress=False, backend=GpuBackend())
+    reference = jaxinfer.load(str(directory), progress=False, backend=GpuBackend(), quantization="int8")
+    quantized = quantize_params(fused.params, "int8")
+    for names in FUSED_GROUPS:
+        key = fused_key(names)
+        if key not in reference.params["layers"]:
+            continue
+        for got, want in zip(quantized["layers"][key], reference.params["layers"][key]):
+            assert isinstance(got.weight, QuantizedTensor)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
