@@ -1,5 +1,5 @@
 """Writes a K-quant GGUF of a ~0.3B Llama for speed comparisons (BENCHMARKS.md,
-"K-quant files"): hidden 1024, 24 layers of 16 heads (4 KV heads), MLP 2816,
+"K-quant files"): hidden 1024, 24 layers of 16 heads (4 KV heads), MLP 2816 (--mlp 4864: ~0.47B, a 0.5B's),
 SmolLM2's tokenizer and 49,152-token vocabulary (copied from the embedded
 default model's GGUF), tied embeddings. Every row length is a multiple of 256,
 so every weight is a K-quant, each of the type llama.cpp's quantizer gives it
@@ -21,6 +21,7 @@ machines, and the default model's 576-wide rows are not whole K-quant super-bloc
 (llama.cpp quantizes those to other types).
 
     python scripts/make_kquant_gguf.py /tmp/kquant.gguf --mix Q4_K_M
+    python scripts/make_kquant_gguf.py /tmp/kquant05.gguf --mix Q4_K_M --mlp 4864
     python scripts/bench_cpu.py --model /tmp/kquant.gguf --schemes gguf --batch-sizes 1,8,32
 """
 
@@ -65,13 +66,17 @@ def main() -> None:
     parser.add_argument("out", help="the .gguf file to write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mix", default="Q4_K_M", choices=sorted(MIXES), help="llama.cpp's file type to lay out")
+    parser.add_argument("--mlp", type=int, default=MLP, help="the MLP's width (a multiple of 256)")
     args = parser.parse_args()
+    if args.mlp % 256:
+        parser.error(f"--mlp {args.mlp} is not a multiple of 256 (K-quant super-blocks)")
+    mlp = args.mlp
     head_dim = HIDDEN // HEADS
     writer = gguf.GGUFWriter(args.out, "llama")
     writer.add_block_count(LAYERS)
     writer.add_context_length(8192)
     writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(MLP)
+    writer.add_feed_forward_length(mlp)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
@@ -89,7 +94,7 @@ def main() -> None:
         types = MIXES[args.mix](i, LAYERS)
         weights = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
                    "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-                   "ffn_gate": (MLP, HIDDEN), "ffn_up": (MLP, HIDDEN), "ffn_down": (HIDDEN, MLP)}
+                   "ffn_gate": (mlp, HIDDEN), "ffn_up": (mlp, HIDDEN), "ffn_down": (HIDDEN, mlp)}
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
         for name, (rows, columns) in weights.items():
