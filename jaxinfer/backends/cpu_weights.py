@@ -9,7 +9,9 @@ quant/linear.py is the XLA reference everything else falls back to.
     QuantizedTensor int8 / int4             matmul.cc up to max_exact_rows()
     KQuantTensor with activation_block      q8_matmul.cc's K-quant handler, any rows
     KQuantTensor                            kquant_matmul.cc up to KQUANT_MAX_ROWS
-    a MixedStack's layer                    its part's kernel, under a switch (LayerOf.apply)
+    a MixedStack of K-quants                kquant_matmul.cc, as a KQuantTensor: the call
+                                            reads the part that holds the layer
+    another MixedStack's layer              its part's kernel, under a switch (LayerOf.apply)
     an InputOrdered's layer                 its weight's, on the activations gathered by its
                                             order first (models/llama.py, adapted_linears)
     anything else                           the reference on the sliced layer
@@ -94,14 +96,20 @@ class WeightKernel:
         """[x [..., in] @ layer layer_index of w for w in stacks], each [..., out] in x.dtype."""
         rows = math.prod(x.shape[:-1])
         x2 = x.reshape(rows, -1)
-        if self.exact and stacks[0].activation_block:
+        if self.exact and _activation_block(stacks[0]):
             x2 = int8_blocks(x2, stacks[0].activation_block)
         ys = self.matmuls(x2, stacks, layer_index)
         return [y.astype(x.dtype).reshape(*x.shape[:-1], w.out_features) for y, w in zip(ys, stacks)]
 
     def takes_together(self, stacks: list) -> bool:
-        return (self.together is not None and not any(w.activation_block for w in stacks)
+        return (self.together is not None and not any(_activation_block(w) for w in stacks)
                 and self.together(stacks))
+
+
+def _activation_block(w) -> int:
+    """A stacked weight's activation block (0: float activations); a
+    MixedStack's kernel (kernel_for) takes parts without one only."""
+    return 0 if isinstance(w, MixedStack) else w.activation_block
 
 
 def _one_at_a_time(matmul_fn):
@@ -121,7 +129,12 @@ def kernel_for(rows: int, w) -> WeightKernel | None:
     stored (one matrix or a stack of layers), or None: the reference."""
     if jax.default_backend() != "cpu" or rows < 1:
         return None
-    if isinstance(w, KQuantTensor):
+    if isinstance(w, MixedStack):
+        # One call whatever the layer's part (no switch, and q|k|v share it):
+        # where the exact K-quant kernel takes every part.
+        exact = all(isinstance(p, KQuantTensor) and not p.activation_block for p in w.parts)
+        candidates = [(KQUANT, exact and rows <= KQUANT_MAX_ROWS and kquant_matmul.supports(w))]
+    elif isinstance(w, KQuantTensor):
         candidates = [(KQUANT_Q8, w.activation_block and kquant_matmul.supports_q8(w)),
                       (KQUANT, rows <= KQUANT_MAX_ROWS and kquant_matmul.supports(w))]
     elif isinstance(w, QuantizedTensor):
@@ -135,9 +148,11 @@ def kernel_for(rows: int, w) -> WeightKernel | None:
 def linears(x, ws: list) -> list:
     """[x @ w for w in ws] (the CPU backend's linear and linears): each layer
     weight (LayerOf) by its kernel, one call for all where one kernel takes
-    them together; a MixedStack's layer by its part's; the reference for
-    the rest."""
-    mixed = [isinstance(w, LayerOf) and isinstance(w.stacked, MixedStack) for w in ws]
+    them together; a MixedStack's layer that no kernel takes whole by its
+    part's; the reference for the rest."""
+    rows = math.prod(x.shape[:-1])
+    mixed = [isinstance(w, LayerOf) and isinstance(w.stacked, MixedStack) and kernel_for(rows, w.stacked) is None
+             for w in ws]
     rest = iter(_linears_unmixed(x, [w for w, m in zip(ws, mixed) if not m]))
     return [w.apply(lambda stacked, index: linears(x, [LayerOf(stacked, index)])[0]) if m else next(rest)
             for w, m in zip(ws, mixed)]

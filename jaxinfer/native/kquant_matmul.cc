@@ -13,15 +13,19 @@
 // registers: the same float32 values as gguf's dequantizer.
 //
 //   x           f32 [R, in]
-//   layer       s32 []
-//   then per weight (one layer of each; a layer's q, k and v in one call):
+//   layers      s32 [stacks]: the layer of each stack to multiply, -1 in the
+//               stacks of a weight that do not hold its layer
+//   then per stack (a weight is one stack, or several where its layers are
+//   stored in several kinds, quant/mixed_stack.py: the one whose layer is
+//   not -1 is read; a layer's q, k and v in one call):
 //   codes       u8 [L, out / 64, in * low / 8, 64]   low bits of each code
 //   high        u8 [L, out / 64, in * high / 8, 64]  its high bits ([1] where none)
 //   sub_scales  s8 / u8 [L, out / 64, in / group, 64]
 //   sub_mins    u8, as sub_scales ([1] where none)
 //   d, dmin     f16 [L, out / 64, in / 256, 64] (dmin [1] where none)
 //   out         f32 [R, out] per weight
-//   kinds       attribute: each weight's kind (Kind, kquant_layer.h)
+//   kinds       attribute: each stack's kind (Kind, kquant_layer.h)
+//   stacks      attribute: each weight's number of stacks
 //
 // Byte row j of a code plane of b bits holds inputs (8 / b) * j + i in bits
 // [b * i, b * i + b), its 64 bytes in nibble order (byte 4d + m holds column
@@ -155,6 +159,12 @@ __attribute__((always_inline)) inline void Unroll(Fn&& fn) {
   }
 }
 
+// Calls fn(j, std::integral_constant<int, shift>) for each run j of a group
+// of kind kKind: shift the run's constant high shift (Run::HighShiftOf, the
+// runs unrolled) where it has one, else -1 (a loop over the runs).
+template <int64_t kKind, typename Fn>
+__attribute__((always_inline)) inline void ForRunsOfGroup(Fn&& fn);
+
 // A run of a tile's inputs: one 32-bit word of low bits per column, 32 /
 // low inputs (kRun: 8 or 16), so run r's low bits of quarter q (16 columns)
 // are the 64-byte line (r * 4 + q) of the plane, input u at bit low * u.
@@ -184,15 +194,31 @@ struct Run {
     }
   }
 
+  // Whether run j of every group has the same place in its high chunk (a
+  // group is whole high chunks: Q5_K, Q6_K), so that its high shift is the
+  // constant HighShiftOf<j>(): a shift by an immediate is one micro-op,
+  // one by a register count (high_shift) two.
+  static constexpr bool kConstantHighShift = F::kHigh > 0 && F::kGroup % (32 / F::kHigh) == 0;
+  template <int kRunInGroup>
+  static constexpr int HighShiftOf() {
+    return F::kHigh * (kRunInGroup * kRun % (32 / F::kHigh) / kRun) * kPerByte;
+  }
+
   // Input kInput of the run, the 16 columns of quarter kQuarter, as floats.
-  template <int kInput, int kQuarter>
+  // kHighShift: the run's high shift where it is a constant, else -1 (high_shift).
+  template <int kInput, int kQuarter, int kHighShift = -1>
   __m512 Floats(__m512 low_table, __m512 high_table) const {
     const __m512i low_bits = _mm512_loadu_si512(low + kQuarter * kTileColumns);
     __m512 v = _mm512_permutexvar_ps(ShiftRight<F::kLow * kInput>(low_bits), low_table);
     if constexpr (F::kHigh > 0) {
       constexpr int kHighBit = 8 * (kInput / kPerByte) + F::kHigh * (kInput % kPerByte);
       const __m512i high_bits = _mm512_loadu_si512(high + kQuarter * kTileColumns);
-      const __m512i shifted = _mm512_srl_epi32(high_bits, _mm_cvtsi32_si128(kHighBit + high_shift));
+      __m512i shifted;
+      if constexpr (kHighShift >= 0) {
+        shifted = ShiftRight<kHighBit + kHighShift>(high_bits);
+      } else {
+        shifted = _mm512_srl_epi32(high_bits, _mm_cvtsi32_si128(kHighBit + high_shift));
+      }
       v = _mm512_add_ps(v, _mm512_permutexvar_ps(shifted, high_table));
     } else if constexpr (F::kBias) {
       v = _mm512_sub_ps(v, _mm512_set1_ps(static_cast<float>(F::kBias)));
@@ -200,6 +226,18 @@ struct Run {
     return v;
   }
 };
+
+template <int64_t kKind, typename Fn>
+__attribute__((always_inline)) inline void ForRunsOfGroup(Fn&& fn) {
+  constexpr int kRuns = Format<kKind>::kGroup / Run<kKind>::kRun;
+  if constexpr (Run<kKind>::kConstantHighShift) {
+    Unroll<kRuns>([&](auto run) __attribute__((always_inline)) {
+      fn(run, std::integral_constant<int, Run<kKind>::template HighShiftOf<run>()>{});
+    });
+  } else {
+    for (int64_t run = 0; run < kRuns; ++run) fn(run, std::integral_constant<int, -1>{});
+  }
+}
 
 // Group g's scales (d * sub_scale) and minimums (dmin * sub_min) of the 16
 // columns at 16 * k of a tile.
@@ -270,7 +308,7 @@ void FewRowsGroup(const Problem& p, const Tile* tiles, int64_t g, int64_t row0, 
     for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
   const float* x = p.x + row0 * p.in + g * F::kGroup;
   constexpr int kRun = Run<kKind>::kRun;
-  for (int64_t run = 0; run < F::kGroup / kRun; ++run) {
+  ForRunsOfGroup<kKind>([&](int64_t run, auto high_shift) __attribute__((always_inline)) {
     const int64_t index = g * (F::kGroup / kRun) + run;  // the run's index in the tile
     // Tile by tile, so that only one tile's code lines are live beside the
     // accumulators: input by input over all tiles kept every tile's lines
@@ -283,12 +321,12 @@ void FewRowsGroup(const Problem& p, const Tile* tiles, int64_t g, int64_t row0, 
         __m512 xi[kRows];
         for (int r = 0; r < kRows; ++r) xi[r] = _mm512_set1_ps(x[r * p.in + run * kRun + input]);
         Unroll<4>([&](auto quarter) __attribute__((always_inline)) {
-          const __m512 w = codes.template Floats<input, quarter>(low_table, high_table);
+          const __m512 w = codes.template Floats<input, quarter, decltype(high_shift)::value>(low_table, high_table);
           for (int r = 0; r < kRows; ++r) acc[r][4 * l + quarter] = _mm512_fmadd_ps(w, xi[r], acc[r][4 * l + quarter]);
         });
       });
     });
-  }
+  });
   FoldGroup<kKind, kRows, kVectors>(p, tiles, acc, g, row0, x_sums, result);
 }
 
@@ -336,16 +374,16 @@ void GroupCodes(const Tile& t, int64_t g, float* w) {
   using F = Format<kKind>;
   constexpr int kRun = Run<kKind>::kRun;
   const __m512 low_table = LowTable<kKind>(), high_table = HighTable<kKind>();
-  for (int64_t run = 0; run < F::kGroup / kRun; ++run) {
+  ForRunsOfGroup<kKind>([&](int64_t run, auto high_shift) __attribute__((always_inline)) {
     const Run<kKind> codes(t, g * (F::kGroup / kRun) + run);
     float* rows = w + run * kRun * kTileColumns;
     Unroll<kRun>([&](auto input) __attribute__((always_inline)) {
       Unroll<4>([&](auto quarter) __attribute__((always_inline)) {
         _mm512_store_ps(rows + input * kTileColumns + 16 * quarter,
-                        codes.template Floats<input, quarter>(low_table, high_table));
+                        codes.template Floats<input, quarter, decltype(high_shift)::value>(low_table, high_table));
       });
     });
-  }
+  });
 }
 
 // Asks for group g's code rows of a tile while the group before is multiplied.
@@ -476,9 +514,13 @@ void RunManyRows(Plan& plan, int64_t task) {
 }
 
 // Tiles per few-row task: as many as the rows need for 16 accumulators, 4
-// at one row, 2 at two (where they divide the columns), else 1.
-int64_t TaskTiles(int64_t rows, int64_t tiles) {
-  if (rows == 1 && tiles % 4 == 0) return 4;
+// at one row, 2 at two (where they divide the columns), else 1. A kind with
+// high bits takes 2 at one row: its second code plane and table beside 16
+// accumulators were more than the 32 registers, and g++ kept accumulators
+// on the stack (Q6_K); 8 of them hide the multiply-add's latency behind its
+// longer expansion of the codes.
+int64_t TaskTiles(int64_t rows, int64_t tiles, bool high_bits = false) {
+  if (rows == 1 && tiles % 4 == 0 && !high_bits) return 4;
   if (rows <= 2 && tiles % 2 == 0) return 2;
   return 1;
 }
@@ -487,16 +529,19 @@ template <int64_t kKind>
 void PlanKind(Plan& plan, int64_t workers) {
   const Problem& p = plan.p;
   const int64_t tiles = p.Tiles();
-  // The input parts are sized for the one-row tasks (the fewest), and so
-  // for every row count alike: a row's sums never depend on the rows beside
+  // The input parts are sized for the one-row tasks of a kind without high
+  // bits (the fewest), and so for every row count and kind alike: a row's sums never depend on the rows beside
   // it. (A 256-column weight at one row is one task of 4 tiles: in 2 parts,
   // both cores take one.)
   plan.parts = jaxinfer::InputParts(tiles / TaskTiles(1, tiles), p.groups, workers);
   if (p.rows <= kRowBlock) {
     plan.partials.resize((plan.parts - 1) * p.rows * p.out_features);
-    const int64_t width = TaskTiles(p.rows, tiles);
+    const int64_t width = TaskTiles(p.rows, tiles, Format<kKind>::kHigh > 0);
     plan.num_tasks = tiles / width * plan.parts;
-    plan.run = width == 4 ? RunFewRows<kKind, 16> : width == 2 ? RunFewRows<kKind, 8> : RunFewRows<kKind, 4>;
+    if constexpr (Format<kKind>::kHigh == 0) {
+      if (width == 4) return void(plan.run = RunFewRows<kKind, 16>);
+    }
+    plan.run = width == 2 ? RunFewRows<kKind, 8> : RunFewRows<kKind, 4>;
     return;
   }
   int64_t row_tasks = (p.rows + kMaxTaskRows - 1) / kMaxTaskRows;
@@ -534,27 +579,38 @@ constexpr int64_t kBuffersPerWeight = 6;
 
 // x times one layer of each of several weights, in one parallel loop (the
 // weights' tasks one after another, in the order of their memory).
-ffi::Error KQuantMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                             ffi::RemainingArgs weights, ffi::RemainingRets outs, ffi::Span<const int64_t> kinds) {
+ffi::Error KQuantMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layers,
+                             ffi::RemainingArgs weights, ffi::RemainingRets outs, ffi::Span<const int64_t> kinds,
+                             ffi::Span<const int64_t> stacks) {
   const int64_t count = static_cast<int64_t>(outs.size());
-  if (count == 0 || static_cast<int64_t>(weights.size()) != kBuffersPerWeight * count ||
-      static_cast<int64_t>(kinds.size()) != count) {
-    return ffi::Error::InvalidArgument("k-quant matmul: give six arrays and a kind for each output");
+  const int64_t num_stacks = static_cast<int64_t>(kinds.size());
+  int64_t stacks_given = 0;
+  for (int64_t n : stacks) stacks_given += n < 1 ? num_stacks + 1 : n;
+  if (count == 0 || static_cast<int64_t>(stacks.size()) != count || stacks_given != num_stacks ||
+      static_cast<int64_t>(weights.size()) != kBuffersPerWeight * num_stacks ||
+      static_cast<int64_t>(layers.element_count()) != num_stacks) {
+    return ffi::Error::InvalidArgument(
+        "k-quant matmul: give each output one or more stacks, each with six arrays, a kind and a layer");
   }
   const int64_t workers = jaxinfer::NumWorkers(thread_pool);
   std::vector<std::unique_ptr<Plan>> plans;
-  for (int64_t j = 0; j < count; ++j) {
+  for (int64_t j = 0, first = 0; j < count; first += stacks[j], ++j) {
+    int64_t stack = -1;  // the weight's stack that holds its layer
+    for (int64_t k = first; k < first + stacks[j]; ++k) {
+      if (layers.typed_data()[k] >= 0) stack = k;
+    }
+    if (stack < 0) return ffi::Error::InvalidArgument("k-quant matmul: no stack of a weight holds its layer");
     std::vector<ffi::AnyBuffer> arrays;
     for (int64_t a = 0; a < kBuffersPerWeight; ++a) {
-      auto buffer = weights.get<ffi::AnyBuffer>(kBuffersPerWeight * j + a);
+      auto buffer = weights.get<ffi::AnyBuffer>(kBuffersPerWeight * stack + a);
       if (buffer.has_error()) return buffer.error();
       arrays.push_back(buffer.value());
     }
     auto out = outs.get<ffi::Buffer<ffi::F32>>(j);
     if (out.has_error()) return out.error();
     plans.push_back(std::make_unique<Plan>());
-    ffi::Error error = Describe(x, layer.typed_data()[0], kinds[j], arrays[0], arrays[1], arrays[2], arrays[3],
-                                arrays[4], arrays[5], out.value()->typed_data(), &plans.back()->p);
+    ffi::Error error = Describe(x, layers.typed_data()[stack], kinds[stack], arrays[0], arrays[1], arrays[2],
+                                arrays[3], arrays[4], arrays[5], out.value()->typed_data(), &plans.back()->p);
     if (error.failure()) return error;
     PlanProduct(*plans.back(), workers);
   }
@@ -568,7 +624,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferKQuantMatmuls, KQuantMatmulsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .RemainingArgs()               // six arrays of each weight
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layers
+                                  .RemainingArgs()               // six arrays of each stack
                                   .RemainingRets()               // each weight's out
-                                  .Attr<ffi::Span<const int64_t>>("kinds"));
+                                  .Attr<ffi::Span<const int64_t>>("kinds")
+                                  .Attr<ffi::Span<const int64_t>>("stacks"));

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxinfer.native.build import cpu_has, native_ffi_target
 from jaxinfer.quant.kquant import SUPER_BLOCK, KQuantTensor
+from jaxinfer.quant.mixed_stack import MixedStack
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_kquant_matmul"
@@ -47,8 +48,12 @@ def tileable(w: KQuantTensor) -> bool:
     return cpu_has("avx512f") and not w.tile and w.out_features % TILE == 0 and w.in_features % 256 == 0
 
 
-def supports(w: KQuantTensor) -> bool:
-    """Whether the exact kernel takes w: tiled, at most one leading layer axis."""
+def supports(w: KQuantTensor | MixedStack) -> bool:
+    """Whether the exact kernel takes w: tiled, at most one leading layer
+    axis; a MixedStack whose parts it all takes (it reads the part that
+    holds the layer)."""
+    if isinstance(w, MixedStack):
+        return all(isinstance(p, KQuantTensor) and p.codes.ndim == 4 and supports(p) for p in w.parts)
     return w.tile == TILE and w.codes.ndim in (3, 4)
 
 
@@ -68,16 +73,30 @@ def _arrays(w: KQuantTensor) -> list:
             stacked(w.sub_mins, jnp.uint8), stacked(w.d, jnp.float16), stacked(w.dmin, jnp.float16)]
 
 
-def kquant_matmuls(x, ws: list[KQuantTensor], layer_index=0) -> list[jax.Array]:
+def kquant_matmuls(x, ws: list[KQuantTensor | MixedStack], layer_index=0) -> list[jax.Array]:
     """[x [rows, in] @ layer `layer_index` of w -> float32 [rows, out] for w in
-    ws] in one kernel call (the cores share out every weight's tasks)."""
+    ws] in one kernel call (the cores share out every weight's tasks). A
+    MixedStack passes every part, each with the layer's index in it or -1,
+    and the kernel reads the one that holds the layer: no switch around the
+    call, and the call can take the layer's other weights too."""
     if not available():
         raise RuntimeError("the CPU K-quant matmul kernel is not available here (see the warning above)")
-    buffers = [a for w in ws for a in _arrays(w)]
+    layer_index = jnp.asarray(layer_index, jnp.int32)
+    stacks, layers = [], []
+    for w in ws:
+        if isinstance(w, MixedStack):
+            part = jnp.asarray(w.part_of_layer, jnp.int32)[layer_index]
+            index = jnp.asarray(w.index_in_part, jnp.int32)[layer_index]
+            stacks += w.parts
+            layers += [jnp.where(part == k, index, -1) for k in range(len(w.parts))]
+        else:
+            stacks.append(w)
+            layers.append(layer_index)
     call = jax.ffi.ffi_call(TARGET_NAME, [jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32)
                                           for w in ws])
-    kinds = np.array([KINDS.index(w.kind) for w in ws], np.int64)
-    return list(call(x.astype(jnp.float32), jnp.asarray(layer_index, jnp.int32), *buffers, kinds=kinds))
+    return list(call(x.astype(jnp.float32), jnp.stack(layers), *[a for w in stacks for a in _arrays(w)],
+                     kinds=np.array([KINDS.index(w.kind) for w in stacks], np.int64),
+                     stacks=np.array([len(w.parts) if isinstance(w, MixedStack) else 1 for w in ws], np.int64)))
 
 
 def kquant_matmul(x, w: KQuantTensor, layer_index=0) -> jax.Array:

@@ -17,7 +17,9 @@ A scan cannot slice it (its parts have different lengths), so every
 backend's layer loop hands it to the body as LayerOf(stack, layer_index)
 (quant/layer_weights.py), and `apply` (which LayerOf.apply calls) runs a
 per-part computation under a lax.switch on the (traced) layer index: only
-the branch of the layer's format runs, reading its stack in place.
+the branch of the layer's format runs, reading its stack in place. (A
+kernel may instead take every part with the layer's index in its own and
+read that one: the CPU K-quant kernel, native/kquant_matmul.py.)
 """
 
 from __future__ import annotations

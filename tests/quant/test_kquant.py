@@ -299,3 +299,28 @@ def test_a_tied_k_quant_table_is_the_only_embedding_copy(tmp_path):
     assert isinstance(kquant.params["few_row_head"], KQuantTensor) and "embed" not in kquant.params
     float_load = jaxinfer.load(str(path), progress=False, quantization=None)
     assert_logits_close(kquant.logits(TOKENS), float_load.logits(TOKENS), rtol=1e-5)
+
+
+def test_a_mixed_stack_is_read_in_one_call():
+    """A MixedStack of Q6_K and Q4_K layers (a Q4_K_M file's attn_v) beside a
+    plain weight in one kernel call: each layer bit for bit its part's own
+    call and against float64 products of gguf's values; and the CPU
+    backend's linears takes both in one call, no switch."""
+    q6, values6 = stacked_weight(Q.Q6_K, 2, 256, 64, seed=3)
+    q4, values4 = stacked_weight(Q.Q4_K, 2, 256, 64, seed=5)
+    plain, plain_values = stacked_weight(Q.Q4_K, 4, 256, 128, seed=8)
+    mixed = MixedStack((q6, q4), part_of_layer=(0, 1, 1, 0), index_in_part=(0, 0, 1, 1))
+    mixed_values = [values6[0], values4[0], values4[1], values6[1]]
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 256)), jnp.float32)
+    x64 = np.asarray(x, np.float64)
+    together = jax.jit(kquant_matmul.kquant_matmuls)
+    alone = jax.jit(kquant_matmul.kquant_matmul)
+    for layer in range(4):
+        y_plain, y_mixed = together(x, [plain, mixed], layer)
+        part = mixed.parts[mixed.part_of_layer[layer]]
+        np.testing.assert_array_equal(np.asarray(y_mixed), np.asarray(alone(x, part, mixed.index_in_part[layer])))
+        assert_matches(np.asarray(y_mixed), x64 @ mixed_values[layer])
+        assert_matches(np.asarray(y_plain), x64 @ plain_values[layer])
+    fn = jax.jit(lambda x, ws, i: CPU.linears(x, [LayerOf(w, i) for w in ws]))
+    text = fn.lower(x, [plain, mixed], jnp.int32(2)).as_text()
+    assert text.count(f"custom_call @{kquant_matmul.TARGET_NAME}(") == 1 and "stablehlo.case" not in text
