@@ -136,11 +136,13 @@ class CompiledPrograms:
         gained nothing; several on a GPU's host, where each compilation of an
         unrolled model is mostly one thread's work).
 
-        Programs in the executable cache are loaded, not compiled: the first
-        buckets' before serving, the others' (with background) on the thread,
-        ahead of its compilations, or by bucket() as soon as a step needs
-        them, so that a warm start serves its first request after loading a
-        handful of programs instead of all of them.
+        Programs in the executable cache are loaded, not compiled. With
+        background and every program stored, none is loaded before serving:
+        bucket() loads a step's own bucket the first time it runs, and the
+        thread loads the rest, so a warm start serves its first request
+        after loading a handful of programs instead of all of them. Else the
+        first buckets' programs load (or compile) before serving, and the
+        other stored ones load on the thread ahead of its compilations.
         Every program not stored is traced and lowered here, on the calling
         thread, and only XLA's compilation of the lowered modules runs on the
         other. JAX calls its thread support limited, and lowering on the
