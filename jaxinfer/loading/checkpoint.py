@@ -77,7 +77,7 @@ def open_checkpoint(model: str | Path | None):
     config = ModelConfig.from_hf_file(path / "config.json")
     # A quantization_config's reader, so that no caller reads integer codes
     # as float weights; it refuses what it cannot read before anything is read.
-    source = open_prequantized(SafetensorsCheckpoint(path), config, path)
+    source = open_prequantized(SafetensorsCheckpoint(path), path)
     if config.num_experts:  # per-expert names, stored forms included, stacked per layer
         from jaxinfer.loading.experts import ExpertTensors
 

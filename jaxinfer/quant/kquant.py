@@ -217,16 +217,11 @@ class KQuantTensor:
         indices = jnp.asarray(indices)
         flat = indices.reshape(-1)
         if self.tile:  # every array [out // tile, rows, tile]: a weight of each index's tile, in order
-            tiles = dataclasses.replace(self, **{name: None if a is None else a[flat // self.tile]
-                                                 for name, a in self._arrays().items()})
+            tiles = jax.tree.map(lambda a: a[flat // self.tile], self)
             picked = dequantize(tiles)[:, jnp.arange(flat.size) * self.tile + flat % self.tile].T
         else:  # every array [rows, out]
-            picked = dequantize(dataclasses.replace(self, **{name: None if a is None else a[:, flat]
-                                                             for name, a in self._arrays().items()})).T
+            picked = dequantize(jax.tree.map(lambda a: a[:, flat], self)).T
         return picked.reshape(*indices.shape, self.in_features)
-
-    def _arrays(self) -> dict:
-        return {name: getattr(self, name) for name in ("codes", "high", "sub_scales", "sub_mins", "d", "dmin")}
 
 
 def _word_positions(f: KFormat, high: bool) -> list[int]:

@@ -96,7 +96,7 @@ class PrequantizedCheckpoint:
         return array
 
 
-def open_prequantized(source, config, directory: Path):
+def open_prequantized(source, directory: Path):
     """source itself where config.json has no quantization_config, else a
     PrequantizedCheckpoint over it (UnsupportedModelError where the method or
     its options are not supported). A MoE's experts are named per expert
