@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.engine.executable_cache import LOAD_THREADS, ExecutableCache
 from jaxinfer.engine.sampler import CONDITIONAL, SamplerWork
+from jaxinfer.engine.tracing_turns import TRACING_TURNS
 from jaxinfer.utils import bucket_size, powers_of_two
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class CompiledPrograms:
         self._stored_later: set = set()  # stored programs warm-up left to load later (_load_stored, the thread)
         self._loading = threading.Lock()  # one program loads at a time after warm-up
         self._ready_lock = threading.Lock()
+        self._ready_changed = threading.Condition(self._ready_lock)  # a step waiting in bucket() for the thread
         self.num_loaded = 0  # programs loaded from the executable cache (warm-up, steps, the background thread)
         self.num_loaded_before_serving = 0  # of which warm-up loaded before returning
         self._ready: frozenset = frozenset()
@@ -113,9 +115,16 @@ class CompiledPrograms:
             return bucket
         # Its programs are still compiling in the background (warmup): the
         # smallest ready bucket of the layout that holds the step (padding
-        # rows and sequences are inert), at worst the largest, ready first.
-        return min((b for b in self._ready if b[2] == bucket[2] and b[0] >= bucket[0] and b[1] >= bucket[1]),
-                   default=bucket)
+        # rows and sequences are inert); where none does yet, the step waits
+        # for the thread, which compiles each layout's largest bucket next.
+        with TRACING_TURNS.given_up(), self._ready_changed:  # the thread may need a turn to lower it
+            while True:
+                holding = [b for b in self._ready if b[2] == bucket[2] and b[0] >= bucket[0] and b[1] >= bucket[1]]
+                if holding:
+                    return min(holding)
+                if self._background is None or not self._background.running:
+                    return bucket  # nothing left to wait for: _executable compiles it (an error)
+                self._ready_changed.wait()
 
     def _mixed_seq_buckets(self, num_tokens: int) -> list[int]:
         """The sequence buckets compiled for mixed steps of num_tokens (a bucket) tokens: the backend's choice."""
@@ -126,15 +135,19 @@ class CompiledPrograms:
         """Compile every program of programs(), running none: the executables
         are kept and called directly (_executable).
 
-        The largest bucket of each layout compiles first: any step fits in it,
-        so the runner can serve as soon as those are ready. With background,
-        the other buckets then compile on a thread while the engine serves, the
+        The smallest bucket of each layout compiles first: what one short
+        request needs (a 16-token prompt, one decode row), so the runner
+        serves it as soon as those are ready; before, the largest came
+        first, and a cold start's first request ran padded into them (a
+        5-token prompt as 256 rows, one decode row as 16). With background,
+        the other buckets then compile on a thread while the engine serves,
+        each layout's largest next (any step fits in it), then the rest,
         smallest first; until a step's own bucket is ready, bucket() pads the
-        step into a ready one, so no step ever waits for a compilation.
-        Programs compile backend.compile_threads at a time (one on CPU, where
-        XLA already spreads one compilation over the cores and two at once
-        gained nothing; several on a GPU's host, where each compilation of an
-        unrolled model is mostly one thread's work).
+        step into a ready one, and a step that none holds yet waits for the
+        thread. Programs compile backend.compile_threads at a time (one on
+        CPU, where XLA already spreads one compilation over the cores and two
+        at once gained nothing; several on a GPU's host, where each
+        compilation of an unrolled model is mostly one thread's work).
 
         Programs in the executable cache are loaded, not compiled. With
         background and every program stored, none is loaded before serving:
@@ -143,18 +156,22 @@ class CompiledPrograms:
         after loading a handful of programs instead of all of them. Else the
         first buckets' programs load (or compile) before serving, and the
         other stored ones load on the thread ahead of its compilations.
-        Every program not stored is traced and lowered here, on the calling
-        thread, and only XLA's compilation of the lowered modules runs on the
-        other. JAX calls its thread support limited, and lowering on the
-        background thread failed now and then inside JAX's lowering (a
-        KeyError on a jaxpr variable) while the engine served; compilation
-        and loading are XLA's C++ alone. Lowering all 25 programs of the
-        default engine costs ~2 s of the start (BENCHMARKS.md, "Cold start")."""
+        A program not stored is lowered (traced) just before it compiles,
+        and compiles on other threads while the next is lowered: before
+        serving, only the first buckets' programs (here, on the calling
+        thread); the rest on the background thread, taking turns with the
+        engine's steps (engine/tracing_turns.py says why). Lowering every
+        program before serving cost ~3 s of a 0.47B K-quant model's cold
+        start on two cores (BENCHMARKS.md, "Cold start")."""
         buckets = self.buckets()
         layouts = dict.fromkeys(layout for _, _, layout in buckets)
-        first = [max(b for b in buckets if b[2] == layout) for layout in layouts]
-        rest = sorted((b for b in buckets if b not in first), key=lambda b: b[:2])
-        calls = {p: self._warmup_call(p) for p in self.programs()}
+        first = [min(b for b in buckets if b[2] == layout) for layout in layouts]
+        largest = [b for b in (max(b for b in buckets if b[2] == layout) for layout in layouts) if b not in first]
+        rest = largest + sorted((b for b in buckets if b not in first and b not in largest), key=lambda b: b[:2])
+        # Their shapes, not the placeholder arrays: a program lowered later
+        # on the background thread must not hold buffers (the KV pool is
+        # donated, so deleted, at every step).
+        calls = {p: _shapes_of(*self._warmup_call(p)) for p in self.programs()}
         if self.executable_cache is not None:
             self._cache_keys = {p: self.executable_cache.key(p, args, statics) for p, (_, args, statics) in calls.items()}
             stored = {p for p in calls if self.executable_cache.has(self._cache_keys[p])}
@@ -165,17 +182,20 @@ class CompiledPrograms:
             self._stored_later = stored - now
             self._load({p: self._cache_keys[p] for p in calls if p in now})
         stored_later = list(self._stored_later)  # loaded on the background thread, or by bucket() when a step needs them
-        lowered = {p: self._lower(p, *calls[p])
-                   for p in tqdm([p for p in calls if p not in self._executables and p not in stored_later],
-                                 desc="lowering", unit="program", disable=not progress, leave=False)}
-        self._compile(first, lowered, progress)
+        # The programs to compile, in order (stored ones are loaded instead);
+        # with background, only the first buckets' before serving.
+        to_compile = {p: calls[p] for p in self._programs_of(first + rest)
+                      if p not in self._executables and p not in stored_later}
+        now = self._programs_of(first) if background else list(to_compile)
+        self._compile(first + ([] if background else rest), {p: to_compile.pop(p) for p in now if p in to_compile},
+                      progress)
         self.num_loaded_before_serving = self.num_loaded
         self.warmed_up = True
-        rest = [b for b in first if b not in self._ready] + rest  # first buckets left to load, if any
+        rest = [b for b in first + rest if b not in self._ready]  # first buckets left to load, if any
         if background and rest:
-            self._background = _BackgroundCompile(self, rest, lowered, stored_later)
-        else:
-            self._compile(rest, lowered, progress)
+            if to_compile:  # before the engine serves: its first step already takes turns (tracing_turns.py)
+                TRACING_TURNS.lowering_started()
+            self._background = _BackgroundCompile(self, rest, to_compile, stored_later)
 
     def _load_stored(self, bucket: tuple) -> bool:
         """Load `bucket`'s programs from the executable cache now, where every
@@ -192,8 +212,9 @@ class CompiledPrograms:
         return True
 
     def _mark_ready(self, bucket: tuple) -> None:
-        with self._ready_lock:  # the serving thread (_load_stored) and the background thread both add
+        with self._ready_changed:  # the serving thread (_load_stored) and the background thread both add
             self._ready = self._ready | {bucket}  # rebound, never mutated: bucket() reads it unlocked
+            self._ready_changed.notify_all()
 
     def _programs_of(self, buckets: list[tuple]) -> list[tuple]:
         return list(dict.fromkeys(p for b in buckets for p in self.bucket_programs(b)))
@@ -228,25 +249,48 @@ class CompiledPrograms:
         if self._background is not None:
             self._background.join()
 
-    def _compile(self, buckets: list[tuple], lowered: dict, progress: bool = False,
+    def _compile(self, buckets: list[tuple], calls: dict, progress: bool = False,
                  stop: threading.Event | None = None) -> None:
-        """Compile the programs of `buckets` (backend.compile_threads at once),
-        marking each bucket ready once all of its programs are, in order."""
-        todo = [p for p in self._programs_of(buckets) if p not in self._executables and p in lowered]
+        """Lower and compile the programs of `buckets` that `calls` holds
+        ({program: (jitted program, argument shapes, statics)}, in order).
+        Each is lowered on this thread, in a tracing turn (tracing_turns.py),
+        and compiled on the pool (backend.compile_threads at once) as soon as
+        it is lowered, while this thread lowers the next; a bucket is marked
+        ready as soon as all of its programs are compiled."""
+        todo = [p for p in self._programs_of(buckets) if p not in self._executables and p in calls]
+        futures = {}
         with ThreadPoolExecutor(self.backend.compile_threads, thread_name_prefix="jaxinfer-compile") as pool:
-            futures = {p: pool.submit(self._compile_one, lowered[p], p) for p in todo}
+            for program in tqdm(todo, desc="lowering", unit="program", disable=not progress, leave=False):
+                if stop is not None and stop.is_set():
+                    pool.shutdown(cancel_futures=True)
+                    return
+                with TRACING_TURNS.turn():
+                    lowered = self._lower(program, *calls[program])
+                futures[program] = pool.submit(self._compile_one, lowered, program)
+                futures[program].add_done_callback(lambda f, p=program: self._compiled(p, f, buckets))
             for bucket in tqdm(buckets, desc="compiling", unit="bucket", disable=not progress, leave=False):
                 for program in self.bucket_programs(bucket):
                     if program in futures:
-                        self._executables[program] = futures[program].result()
+                        futures[program].result()  # raises what the compilation raised
                 if all(p in self._executables for p in self.bucket_programs(bucket)):
-                    self._mark_ready(bucket)
-                elif not all(p in self._stored_later for p in self.bucket_programs(bucket)
-                             if p not in self._executables):  # stored, did not load, and not lowered
+                    self._mark_ready(bucket)  # its programs loaded from the executable cache, or compiled
+                elif not all(
+                        p in self._stored_later for p in self.bucket_programs(bucket)
+                        if p not in self._executables):  # stored, did not load, and not lowered
                     log.warning("bucket %s stays unused: a stored program of it did not load", bucket)
                 if stop is not None and stop.is_set():
                     pool.shutdown(cancel_futures=True)
                     return
+
+    def _compiled(self, program: tuple, future, buckets: list[tuple]) -> None:
+        """A compilation's end (on the pool's thread): keep the executable
+        and mark each of `buckets` whose programs are now all compiled."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        self._executables[program] = future.result()
+        for bucket in buckets:
+            if bucket not in self._ready and all(p in self._executables for p in self.bucket_programs(bucket)):
+                self._mark_ready(bucket)
 
     def _compile_one(self, lowered, program: tuple):
         options = self.backend.compiler_options()
@@ -256,8 +300,6 @@ class CompiledPrograms:
 
     @staticmethod
     def _lower(program: tuple, fn, args: tuple, statics: dict):
-        # Lowered from shapes alone: the compiling thread must not hold the
-        # buffers (the KV pool is donated, so deleted, at every step).
         return fn.lower(*jax.tree.map(_shape_of, args), **statics)
 
     def _executable(self, program: tuple, fn, args: tuple, statics: dict):
@@ -276,6 +318,10 @@ def _shape_of(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
 
 
+def _shapes_of(fn, args: tuple, statics: dict) -> tuple:
+    return fn, jax.tree.map(_shape_of, args), statics
+
+
 class _BackgroundCompile:
     """A daemon thread compiling a runner's remaining buckets. At interpreter
     exit it is told to stop after its current bucket and joined: a thread
@@ -283,22 +329,29 @@ class _BackgroundCompile:
 
     _running: weakref.WeakSet = weakref.WeakSet()
 
-    def __init__(self, programs: CompiledPrograms, buckets: list[tuple], lowered: dict, stored: list):
+    def __init__(self, programs: CompiledPrograms, buckets: list[tuple], calls: dict, stored: list):
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._main, args=(programs, buckets, lowered, stored),
+        self.running = True  # until _main returns: a step waiting in bucket() waits no longer after
+        self._thread = threading.Thread(target=self._main, args=(programs, buckets, calls, stored),
                                         name="jaxinfer-compile", daemon=True)
         _BackgroundCompile._running.add(self)
         self._thread.start()
 
-    def _main(self, programs: CompiledPrograms, buckets: list[tuple], lowered: dict, stored: list) -> None:
+    def _main(self, programs: CompiledPrograms, buckets: list[tuple], calls: dict, stored: list) -> None:
         try:
             for program in stored:
                 if self._stop.is_set():
                     return
                 programs._load_one(program)
-            programs._compile(buckets, lowered, stop=self._stop)
-        except Exception:  # the largest buckets still serve every step
+            programs._compile(buckets, calls, stop=self._stop)
+        except Exception:  # a step no compiled bucket holds is compiled where it runs (an error)
             log.exception("background compilation failed; steps keep running in the buckets compiled so far")
+        finally:
+            if calls:
+                TRACING_TURNS.lowering_done()
+            with programs._ready_changed:
+                self.running = False
+                programs._ready_changed.notify_all()
 
     def join(self) -> None:
         self._thread.join()

@@ -61,6 +61,7 @@ from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 from jaxinfer.engine.spec.proposer import build_proposer
 from jaxinfer.engine.token_rules import TokenRules
+from jaxinfer.engine.tracing_turns import TRACING_TURNS
 from jaxinfer.errors import RequestError
 from jaxinfer.loading.model import Model
 from jaxinfer.models import kv_cache
@@ -361,7 +362,12 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the requests that made progress
-        (finished ones for the last time, then forgotten)."""
+        (finished ones for the last time, then forgotten). In a tracing turn
+        while programs are still lowered in the background (tracing_turns.py)."""
+        with TRACING_TURNS.step():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         device_before = self.runner.device_time + self.proposer.device_time
         failed = self._admit_compiled() if self._pending else []

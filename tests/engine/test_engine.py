@@ -71,34 +71,43 @@ def test_batched_equals_sequential(tiny_dir, workload, reference, options):
     assert llm.stats()["num_compilations"] == len(llm.engine.runner.programs())
 
 
-def test_serves_in_compiled_buckets_while_the_rest_compile(tiny_dir, workload, reference, monkeypatch):
-    """background_compile: the engine serves as soon as each layout's largest
-    bucket is compiled, padding every step into a compiled bucket (no step
-    compiles), with the reference's tokens; the rest compile afterwards."""
+def test_serves_a_short_request_while_the_rest_compile(tiny_dir, workload, reference, monkeypatch):
+    """background_compile: the engine serves as soon as each layout's
+    smallest bucket is compiled. A short request runs in those buckets with
+    the reference's tokens (no step compiles, none is padded into a larger
+    bucket); a step that no compiled bucket holds waits for the background
+    thread, which compiles the largest buckets next; then the rest."""
     gate = threading.Event()
     compile_buckets = ModelRunner._compile
 
-    def held_until_gate(self, buckets, lowered, progress=False, stop=None):
+    def held_until_gate(self, buckets, calls, progress=False, stop=None):
         if stop is not None:  # the background thread's call: hold it so the steps below cannot use its buckets
             gate.wait()
-        return compile_buckets(self, buckets, lowered, progress, stop)
+        return compile_buckets(self, buckets, calls, progress, stop)
 
     monkeypatch.setattr(ModelRunner, "_compile", held_until_gate)
     llm = LLM(tiny_dir, progress=False, background_compile=True, **SMALL_ENGINE)
     runner = llm.engine.runner
+    prompts, max_tokens = workload
+    short = next(i for i, prompt in enumerate(prompts) if len(prompt) <= 16)
+    waited = {}
+    waiter = threading.Thread(target=lambda: waited.setdefault("bucket", runner.bucket(8, 8)))
     try:
         compiled = llm.stats()["num_compilations"]
         assert 0 < compiled < len(runner.programs()) and llm.stats()["num_programs_compiling"] > 0
-        assert runner.bucket(1, 1) == (8, 8, "decode")  # a single decode row padded to the largest decode bucket
-        prompts, max_tokens = workload
-        outputs = llm.generate(prompts, [greedy(n) for n in max_tokens], use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == reference
+        assert runner.bucket(1, 1) == (1, 1, "decode") and runner.bucket(5, 1) == (16, 8, "mixed")
+        output = llm.generate([prompts[short]], greedy(max_tokens[short]), use_tqdm=False)[0]
+        assert output.outputs[0].token_ids == reference[short]
         assert llm.stats()["num_compilations"] == compiled  # served without compiling
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not waited  # eight decode rows: no compiled bucket holds them yet
     finally:
         gate.set()
+    waiter.join(120)
+    assert waited["bucket"] == (8, 8, "decode")
     llm.wait_compiled()
     assert llm.stats()["num_compilations"] == len(runner.programs()) and llm.stats()["num_programs_compiling"] == 0
-    assert runner.bucket(1, 1) == (1, 1, "decode")
     outputs = llm.generate(prompts[:4], [greedy(n) for n in max_tokens[:4]], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference[:4]
 
