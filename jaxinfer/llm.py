@@ -69,7 +69,6 @@ class LLM:
             meshes = replica_meshes(tensor_parallel_size or 1, data_parallel_size,
                                     context_parallel_size=context_parallel_size or 1)
         backend = choose_backend(meshes[0], allow_tf32)
-        backend.start_kernel_builds(quantization)  # while the weights load
         configs = []
 
         def engine_config(model_config, dtype, mesh, backend):

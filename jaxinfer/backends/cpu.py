@@ -117,16 +117,22 @@ class CpuBackend(XlaBackend):
             cpu_weights.start_kquant_builds(params)
 
     # -- process and engine settings ---------------------------------------------
-    def start_kernel_builds(self, quantization: str | None) -> None:
+    def start_kernel_builds(self, quantization: str | None, source=None) -> None:
         """Build (or load, once cached) the native kernels on threads while the
-        weights load: the first run on a machine compiles each for ~2 s, which
+        weights load: the first run on a machine compiles each for 3-5 s, which
         would otherwise land, one after the other, on warm-up's first trace.
-        The int8-activation matmul only for the load that uses it ("gguf-a8")."""
+        The int8-activation matmul only for the load that uses it ("gguf-a8");
+        the K-quant kernels where the file holds K-quants it keeps as stored,
+        first, as they take longest (~27 s on one core: started here rather
+        than once the weights are arranged, it builds beside the load)."""
         if not self.native:
             return
         builds = [paged_attention.available, matmul.available, zeroed_buffer.available]
         if quantization == "gguf-a8":
             builds.append(matmul.q8_available)
+        kept_as_stored = quantization in ("gguf", "gguf-a8") and self.keeps_k_quants_as_stored()
+        if kept_as_stored and getattr(source, "holds_k_quants", False):
+            builds[:0] = cpu_weights.kquant_builds(int8_activations=quantization == "gguf-a8")
         for available in builds:
             threading.Thread(target=available, daemon=True).start()
 

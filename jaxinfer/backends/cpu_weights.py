@@ -294,8 +294,12 @@ def start_kquant_builds(params: dict) -> None:
     engine's programs are traced."""
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, KQuantTensor))
     kquants = [w for w in leaves if isinstance(w, KQuantTensor)]
-    builds = [kquant_matmul.available] if kquants else []
-    if any(w.activation_block for w in kquants):
-        builds.append(kquant_matmul.q8_available)
+    builds = kquant_builds(any(w.activation_block for w in kquants)) if kquants else []
     for available in builds:
         threading.Thread(target=available, daemon=True).start()
+
+
+def kquant_builds(int8_activations: bool) -> list:
+    """The K-quant kernels' build-and-register calls: the exact one, and the
+    int8-activation one for a "gguf-a8" load."""
+    return [kquant_matmul.available, *([kquant_matmul.q8_available] if int8_activations else [])]

@@ -158,9 +158,10 @@ class XlaBackend:
         does; a load that reads arranged params back from a cache calls it)."""
 
     # -- process and engine settings ---------------------------------------------
-    def start_kernel_builds(self, quantization: str | None) -> None:
-        """Start building the platform's kernels in the background (at LLM()
-        start, while the weights load)."""
+    def start_kernel_builds(self, quantization: str | None, source=None) -> None:
+        """Start building the platform's kernels in the background (load(),
+        once the checkpoint is open: while its weights load). source: the
+        checkpoint's tensors, for the kernels their types need."""
 
     def start_engine(self) -> None:
         """Process settings an engine on this platform wants (LLMEngine start)."""

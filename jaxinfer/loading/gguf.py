@@ -386,6 +386,11 @@ class GGUFTensors:
     def names(self):
         return self._tensors.keys()
 
+    @property
+    def holds_k_quants(self) -> bool:
+        """Whether any tensor is in a K-quant type (Q2_K .. Q6_K)."""
+        return any(gguf.GGMLQuantizationType(t.tensor_type) in K_QUANT_KINDS for t in self._tensors.values())
+
     def _unpermute_heads(self, name: str) -> int | None:
         if self._unpermute and name.endswith(("q_proj.weight", "k_proj.weight")):
             return self._config.num_heads if "q_proj" in name else self._config.num_kv_heads

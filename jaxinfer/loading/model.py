@@ -174,6 +174,7 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
         np_dtype = backend.auto_dtype(getattr(source, "stored_dtype", None))
     backend = backend.with_dtype(np_dtype)
     quantization = choose_quantization(quantization, source, backend)
+    backend.start_kernel_builds(quantization, source)  # while the weights load
     run_config = config
     if mesh is not None:
         from jaxinfer.parallel.sharding import sharded_config

@@ -11,6 +11,7 @@ written with the gguf package (random K-quant blocks: it has no K-quant
 quantizer)."""
 
 import dataclasses
+import threading
 
 import gguf
 import jax
@@ -162,6 +163,18 @@ def kquant_load(mixed_file):
 
 
 TOKENS = np.arange(1, 40)
+
+
+def test_the_k_quant_kernel_build_starts_before_the_weights_are_read(mixed_file, monkeypatch):
+    """The K-quant kernel, a machine's longest build, is asked for as soon as
+    the file is open (it holds K-quants), not once its weights are arranged:
+    the build runs beside the load."""
+    asked = threading.Event()
+    monkeypatch.setattr(kquant_matmul, "available", lambda: asked.set() or True)  # built already (first test)
+    before = []
+    jaxinfer.load(str(mixed_file), progress=False,
+                  before_weights=lambda *_: before.append(asked.wait(timeout=10)))
+    assert before == [True]
 
 
 def test_file_loads_at_its_own_size_with_the_float_loads_logits(mixed_file, kquant_load, float_load):
