@@ -62,6 +62,7 @@ class CompiledPrograms:
         self.num_loaded_before_serving = 0  # of which warm-up loaded before returning
         self._ready: frozenset = frozenset()
         self._background: _BackgroundCompile | None = None
+        self._coming: set = set()  # programs the background thread compiles or loads (warmup)
         self.warmed_up = False
         # The sample programs of each size: the conditional one, or one per
         # combination of optional pieces (engine/sampler.py, needed_work).
@@ -90,6 +91,14 @@ class CompiledPrograms:
             if layout == "verify":
                 programs.append(("verify", num_seqs, self.num_speculative_tokens))
         return programs
+
+    def serving_programs(self, bucket: tuple[int, int, str]) -> list[tuple]:
+        """The programs of `bucket` that must be compiled before it serves:
+        all but the full samplers, which only a request with penalties or
+        logprobs runs (one that comes before its sampler is compiled waits
+        for it, _executable). The first buckets serve ~1.5 s sooner on a
+        two-core CPU, where a sampler compiles in ~0.7 s."""
+        return [p for p in self.bucket_programs(bucket) if not (p[0] == "sample" and p[2])]
 
     def programs(self) -> list[tuple]:
         """Every program warm-up compiles."""
@@ -137,17 +146,19 @@ class CompiledPrograms:
 
         The smallest bucket of each layout compiles first: what one short
         request needs (a 16-token prompt, one decode row), so the runner
-        serves it as soon as those are ready; before, the largest came
-        first, and a cold start's first request ran padded into them (a
-        5-token prompt as 256 rows, one decode row as 16). With background,
-        the other buckets then compile on a thread while the engine serves,
-        each layout's largest next (any step fits in it), then the rest,
-        smallest first; until a step's own bucket is ready, bucket() pads the
-        step into a ready one, and a step that none holds yet waits for the
-        thread. Programs compile backend.compile_threads at a time (one on
-        CPU, where XLA already spreads one compilation over the cores and two
-        at once gained nothing; several on a GPU's host, where each
-        compilation of an unrolled model is mostly one thread's work).
+        serves it as soon as those are ready (with the largest first, a cold
+        start's first request would run padded into them: a 5-token prompt
+        as 256 rows, one decode row as 16). A bucket serves once its
+        serving_programs() are compiled. With background, the rest then
+        compile on a thread while the engine serves: the first buckets' full
+        samplers, each layout's largest bucket (any step fits in it), then
+        the others, smallest first. Until a step's own bucket is ready,
+        bucket() pads the step into a ready one, and a step that none holds
+        yet waits for the thread. Programs compile backend.compile_threads
+        at a time (one on CPU, where XLA already spreads one compilation over
+        the cores and two at once gained nothing; several on a GPU's host,
+        where each compilation of an unrolled model is mostly one thread's
+        work).
 
         Programs in the executable cache are loaded, not compiled. With
         background and every program stored, none is loaded before serving:
@@ -186,15 +197,18 @@ class CompiledPrograms:
         # with background, only the first buckets' before serving.
         to_compile = {p: calls[p] for p in self._programs_of(first + rest)
                       if p not in self._executables and p not in stored_later}
-        now = self._programs_of(first) if background else list(to_compile)
+        now = [p for b in first for p in self.serving_programs(b)] if background else list(to_compile)
         self._compile(first + ([] if background else rest), {p: to_compile.pop(p) for p in now if p in to_compile},
                       progress)
         self.num_loaded_before_serving = self.num_loaded
         self.warmed_up = True
-        rest = [b for b in first + rest if b not in self._ready]  # first buckets left to load, if any
+        # Buckets with programs left: the first ones' full samplers, or
+        # programs left to load; then the rest.
+        rest = [b for b in first + rest if not all(p in self._executables for p in self.bucket_programs(b))]
         if background and rest:
             if to_compile:  # before the engine serves: its first step already takes turns (tracing_turns.py)
                 TRACING_TURNS.lowering_started()
+            self._coming = set(to_compile) | set(stored_later)
             self._background = _BackgroundCompile(self, rest, to_compile, stored_later)
 
     def _load_stored(self, bucket: tuple) -> bool:
@@ -272,10 +286,10 @@ class CompiledPrograms:
                 for program in self.bucket_programs(bucket):
                     if program in futures:
                         futures[program].result()  # raises what the compilation raised
-                if all(p in self._executables for p in self.bucket_programs(bucket)):
+                if all(p in self._executables for p in self.serving_programs(bucket)):
                     self._mark_ready(bucket)  # its programs loaded from the executable cache, or compiled
                 elif not all(
-                        p in self._stored_later for p in self.bucket_programs(bucket)
+                        p in self._stored_later for p in self.serving_programs(bucket)
                         if p not in self._executables):  # stored, did not load, and not lowered
                     log.warning("bucket %s stays unused: a stored program of it did not load", bucket)
                 if stop is not None and stop.is_set():
@@ -289,8 +303,10 @@ class CompiledPrograms:
             return
         self._executables[program] = future.result()
         for bucket in buckets:
-            if bucket not in self._ready and all(p in self._executables for p in self.bucket_programs(bucket)):
+            if bucket not in self._ready and all(p in self._executables for p in self.serving_programs(bucket)):
                 self._mark_ready(bucket)
+        with self._ready_changed:  # a step may wait for this program (_executable)
+            self._ready_changed.notify_all()
 
     def _compile_one(self, lowered, program: tuple):
         options = self.backend.compiler_options()
@@ -306,6 +322,11 @@ class CompiledPrograms:
         """`program`'s executable. One missing after warm-up is a shape that
         escaped bucketing: it is compiled here, counted and logged as an error."""
         executable = self._executables.get(program)
+        if executable is None and program in self._coming:  # the background thread is making it
+            with TRACING_TURNS.given_up(), self._ready_changed:
+                while program not in self._executables and self._background.running:
+                    self._ready_changed.wait()
+            executable = self._executables.get(program)
         if executable is None:
             if self.warmed_up:
                 log.error("compilation after warm-up of %s: a shape escaped bucketing", program)

@@ -73,10 +73,11 @@ def test_batched_equals_sequential(tiny_dir, workload, reference, options):
 
 def test_serves_a_short_request_while_the_rest_compile(tiny_dir, workload, reference, monkeypatch):
     """background_compile: the engine serves as soon as each layout's
-    smallest bucket is compiled. A short request runs in those buckets with
-    the reference's tokens (no step compiles, none is padded into a larger
-    bucket); a step that no compiled bucket holds waits for the background
-    thread, which compiles the largest buckets next; then the rest."""
+    smallest bucket is compiled, its full samplers aside. A short request
+    runs in those buckets with the reference's tokens (no step compiles, none
+    is padded into a larger bucket); one asking for logprobs waits for its
+    full sampler, and a step that no compiled bucket holds for the largest
+    buckets, which the background thread compiles next; then the rest."""
     gate = threading.Event()
     compile_buckets = ModelRunner._compile
 
@@ -92,20 +93,29 @@ def test_serves_a_short_request_while_the_rest_compile(tiny_dir, workload, refer
     short = next(i for i, prompt in enumerate(prompts) if len(prompt) <= 16)
     waited = {}
     waiter = threading.Thread(target=lambda: waited.setdefault("bucket", runner.bucket(8, 8)))
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=max_tokens[short], ignore_eos=True, logprobs=2)
+    asking = threading.Thread(target=lambda: waited.setdefault(
+        "logprobs", llm.generate([prompts[short]], with_logprobs, use_tqdm=False)[0].outputs[0]))
     try:
         compiled = llm.stats()["num_compilations"]
-        assert 0 < compiled < len(runner.programs()) and llm.stats()["num_programs_compiling"] > 0
-        assert runner.bucket(1, 1) == (1, 1, "decode") and runner.bucket(5, 1) == (16, 8, "mixed")
+        first = [(1, 1, "decode"), (16, 8, "mixed")]
+        assert compiled == len({p for b in first for p in runner.serving_programs(b)}) < len(runner.programs())
+        assert runner.bucket(1, 1) == first[0] and runner.bucket(5, 1) == first[1]
         output = llm.generate([prompts[short]], greedy(max_tokens[short]), use_tqdm=False)[0]
         assert output.outputs[0].token_ids == reference[short]
         assert llm.stats()["num_compilations"] == compiled  # served without compiling
         waiter.start()
+        asking.start()
         waiter.join(0.5)
-        assert waiter.is_alive() and not waited  # eight decode rows: no compiled bucket holds them yet
+        asking.join(0.5)
+        # Eight decode rows: no compiled bucket holds them yet; logprobs: the full sampler is not compiled.
+        assert waiter.is_alive() and asking.is_alive() and not waited
     finally:
         gate.set()
     waiter.join(120)
+    asking.join(120)
     assert waited["bucket"] == (8, 8, "decode")
+    assert waited["logprobs"].token_ids == reference[short] and len(waited["logprobs"].logprobs) == max_tokens[short]
     llm.wait_compiled()
     assert llm.stats()["num_compilations"] == len(runner.programs()) and llm.stats()["num_programs_compiling"] == 0
     outputs = llm.generate(prompts[:4], [greedy(n) for n in max_tokens[:4]], use_tqdm=False)
