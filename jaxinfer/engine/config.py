@@ -49,7 +49,7 @@ class EngineConfig:
     # the host work would share the cores the step runs on). Not with
     # speculative decoding (a step's drafts come from the previous step's outputs).
     async_scheduling: bool | None = None
-    # Serve once the largest bucket of each layout is compiled and compile the
+    # Serve once the smallest bucket of each layout is compiled and compile the
     # rest on a thread (engine/compiled_programs.py, warmup); False compiles all first.
     # Always False across processes: lockstep hosts must pick the same buckets.
     background_compile: bool = True
