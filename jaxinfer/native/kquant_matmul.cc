@@ -33,8 +33,11 @@
 // shifting it right by 8m + b * i leaves column 16m + d's code in its low
 // bits, and vpermps, which reads only the low 4, looks up its float in a
 // table of 16 (LowTable, HighTable: the bias and the masking of the bits
-// above are in the table). A code is then one or two shifts and lookups, and
-// an add of the two exact integers.
+// above are in the table). A code is then a shift and a lookup; with one
+// high bit (Q3_K, Q5_K) two shifts, a bitwise select of the low bits and the
+// high bit into one index and one lookup of the whole code; with two (Q6_K)
+// two shifts and lookups and an add of the two exact integers. Every way
+// gives the same float, so the sums below do not depend on it.
 //
 // Computed per group g of `group` inputs, per row r and column c, in this order:
 //
@@ -121,23 +124,32 @@ Tile TileOf(const Problem& p, int64_t tile) {
           p.dmin ? p.dmin + tile * p.supers * area : nullptr};
 }
 
-// The float of each 4-bit index into the low bits' table: the low bits'
-// value (the bits above them masked off by the table).
+// The tables Floats looks codes up in (vpermps reads an index's low 4 bits,
+// vpermt2ps its low 5, from two tables). Kinds without high bits: the low
+// bits' value at each 4-bit index (the bits above masked off by the table).
+// One high bit (Q3_K, Q5_K): the whole code less the bias at each index of
+// low + 1 bits (Q3_K: the table repeats every 8, masking bit 3; Q5_K: 32
+// entries, LowTable then HighTable). Two (Q6_K): the low bits' value, and
+// HighTable the high bits' share less the bias, (high << low) - bias.
 template <int64_t kKind>
 inline __m512 LowTable() {
-  if constexpr (Format<kKind>::kLow == 4) {
-    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  } else {
-    return _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  using F = Format<kKind>;
+  alignas(64) float table[16];
+  for (int i = 0; i < 16; ++i) {
+    table[i] = F::kHigh == 1 ? static_cast<float>((i & ((2 << F::kLow) - 1)) - F::kBias)
+                             : static_cast<float>(i & ((1 << F::kLow) - 1));
   }
+  return _mm512_load_ps(table);
 }
 
-// The high bits' share of a code, less the bias: (high << low) - bias.
 template <int64_t kKind>
 inline __m512 HighTable() {
   using F = Format<kKind>;
   alignas(64) float table[16];
-  for (int i = 0; i < 16; ++i) table[i] = static_cast<float>(((i & ((1 << F::kHigh) - 1)) << F::kLow) - F::kBias);
+  for (int i = 0; i < 16; ++i) {
+    table[i] = F::kHigh == 1 ? static_cast<float>(((16 + i) & ((2 << F::kLow) - 1)) - F::kBias)
+                             : static_cast<float>(((i & ((1 << F::kHigh) - 1)) << F::kLow) - F::kBias);
+  }
   return _mm512_load_ps(table);
 }
 
@@ -147,6 +159,16 @@ inline __m512i ShiftRight(__m512i v) {
     return v;
   } else {
     return _mm512_srli_epi32(v, kShift);
+  }
+}
+
+// v with bit kFrom of each lane at bit kTo (one shift by an immediate).
+template <int kFrom, int kTo>
+inline __m512i MoveBits(__m512i v) {
+  if constexpr (kFrom >= kTo) {
+    return ShiftRight<kFrom - kTo>(v);
+  } else {
+    return _mm512_slli_epi32(v, kTo - kFrom);
   }
 }
 
@@ -160,8 +182,9 @@ __attribute__((always_inline)) inline void Unroll(Fn&& fn) {
 }
 
 // Calls fn(j, std::integral_constant<int, shift>) for each run j of a group
-// of kind kKind: shift the run's constant high shift (Run::HighShiftOf, the
-// runs unrolled) where it has one, else -1 (a loop over the runs).
+// of kind kKind, shift the bits of the run's place in its high chunk past
+// its group's (Run::HighShiftOf), a constant: a shift by an immediate is one
+// micro-op, one by a register count two.
 template <int64_t kKind, typename Fn>
 __attribute__((always_inline)) inline void ForRunsOfGroup(Fn&& fn);
 
@@ -178,65 +201,70 @@ struct Run {
   using F = Format<kKind>;
   static constexpr int kRun = 32 / F::kLow;
   static constexpr int kPerByte = 8 / F::kLow;
+  // Whether a group is part of a high chunk (Q3_K: half of one) rather than
+  // whole chunks (Q5_K, Q6_K): the group's place in its chunk then shifts
+  // the high words first (group_shift), once a run for all its inputs.
+  static constexpr bool kGroupInChunk = F::kHigh > 0 && F::kGroup < 32 / F::kHigh;
   const uint8_t* low;   // the run's quarter-0 line of low bits
   const uint8_t* high;  // the run's high chunk's quarter-0 line
-  int high_shift;       // bits of the run's place in its high chunk
+  int group_shift;      // bits of the group's place in its high chunk (kGroupInChunk)
 
   Run(const Tile& t, int64_t run) {
     low = t.codes + run * 4 * kTileColumns;
     high = nullptr;
-    high_shift = 0;
+    group_shift = 0;
     if constexpr (F::kHigh > 0) {
       constexpr int kChunkHigh = 32 / F::kHigh;
-      const int64_t first = run * kRun;
-      high = t.high + first / kChunkHigh * 4 * kTileColumns;
-      high_shift = F::kHigh * static_cast<int>(first % kChunkHigh / kRun) * kPerByte;
+      high = t.high + run * kRun / kChunkHigh * 4 * kTileColumns;
+      if constexpr (kGroupInChunk) group_shift = F::kHigh * static_cast<int>(run * kRun % kChunkHigh / kRun) * kPerByte;
     }
   }
 
-  // Whether run j of every group has the same place in its high chunk (a
-  // group is whole high chunks: Q5_K, Q6_K), so that its high shift is the
-  // constant HighShiftOf<j>(): a shift by an immediate is one micro-op,
-  // one by a register count (high_shift) two.
-  static constexpr bool kConstantHighShift = F::kHigh > 0 && F::kGroup % (32 / F::kHigh) == 0;
+  // The bits of run j's place in its high chunk, past its group's place.
   template <int kRunInGroup>
   static constexpr int HighShiftOf() {
-    return F::kHigh * (kRunInGroup * kRun % (32 / F::kHigh) / kRun) * kPerByte;
+    if constexpr (F::kHigh == 0) {
+      return 0;
+    } else {
+      return F::kHigh * (kRunInGroup * kRun % (32 / F::kHigh) / kRun) * kPerByte;
+    }
   }
 
-  // Input kInput of the run, the 16 columns of quarter kQuarter, as floats.
-  // kHighShift: the run's high shift where it is a constant, else -1 (high_shift).
-  template <int kInput, int kQuarter, int kHighShift = -1>
+  // Input kInput of the run, the 16 columns of quarter kQuarter, as floats
+  // (the tables: LowTable, HighTable). kHighShift: HighShiftOf the run.
+  template <int kInput, int kQuarter, int kHighShift>
   __m512 Floats(__m512 low_table, __m512 high_table) const {
-    const __m512i low_bits = _mm512_loadu_si512(low + kQuarter * kTileColumns);
-    __m512 v = _mm512_permutexvar_ps(ShiftRight<F::kLow * kInput>(low_bits), low_table);
-    if constexpr (F::kHigh > 0) {
-      constexpr int kHighBit = 8 * (kInput / kPerByte) + F::kHigh * (kInput % kPerByte);
-      const __m512i high_bits = _mm512_loadu_si512(high + kQuarter * kTileColumns);
-      __m512i shifted;
-      if constexpr (kHighShift >= 0) {
-        shifted = ShiftRight<kHighBit + kHighShift>(high_bits);
+    const __m512i low_bits = ShiftRight<F::kLow * kInput>(_mm512_loadu_si512(low + kQuarter * kTileColumns));
+    if constexpr (F::kHigh == 0) {
+      const __m512 v = _mm512_permutexvar_ps(low_bits, low_table);
+      return F::kBias ? _mm512_sub_ps(v, _mm512_set1_ps(static_cast<float>(F::kBias))) : v;
+    } else {
+      constexpr int kHighBit = 8 * (kInput / kPerByte) + F::kHigh * (kInput % kPerByte) + kHighShift;
+      __m512i high_bits = _mm512_loadu_si512(high + kQuarter * kTileColumns);
+      if constexpr (kGroupInChunk) high_bits = _mm512_srl_epi32(high_bits, _mm_cvtsi32_si128(group_shift));
+      if constexpr (F::kHigh == 1) {
+        // One lookup of the whole code: the low bits, and the high bit moved
+        // beside them (a bitwise select, vpternlogd 0xCA: mask ? low : high).
+        const __m512i index = _mm512_ternarylogic_epi32(_mm512_set1_epi32((1 << F::kLow) - 1), low_bits,
+                                                        MoveBits<kHighBit, F::kLow>(high_bits), 0xCA);
+        if constexpr (F::kLow == 4) {
+          return _mm512_permutex2var_ps(low_table, index, high_table);
+        } else {
+          return _mm512_permutexvar_ps(index, low_table);
+        }
       } else {
-        shifted = _mm512_srl_epi32(high_bits, _mm_cvtsi32_si128(kHighBit + high_shift));
+        return _mm512_add_ps(_mm512_permutexvar_ps(low_bits, low_table),
+                             _mm512_permutexvar_ps(ShiftRight<kHighBit>(high_bits), high_table));
       }
-      v = _mm512_add_ps(v, _mm512_permutexvar_ps(shifted, high_table));
-    } else if constexpr (F::kBias) {
-      v = _mm512_sub_ps(v, _mm512_set1_ps(static_cast<float>(F::kBias)));
     }
-    return v;
   }
 };
 
 template <int64_t kKind, typename Fn>
 __attribute__((always_inline)) inline void ForRunsOfGroup(Fn&& fn) {
-  constexpr int kRuns = Format<kKind>::kGroup / Run<kKind>::kRun;
-  if constexpr (Run<kKind>::kConstantHighShift) {
-    Unroll<kRuns>([&](auto run) __attribute__((always_inline)) {
-      fn(run, std::integral_constant<int, Run<kKind>::template HighShiftOf<run>()>{});
-    });
-  } else {
-    for (int64_t run = 0; run < kRuns; ++run) fn(run, std::integral_constant<int, -1>{});
-  }
+  Unroll<Format<kKind>::kGroup / Run<kKind>::kRun>([&](auto run) __attribute__((always_inline)) {
+    fn(run, std::integral_constant<int, Run<kKind>::template HighShiftOf<run>()>{});
+  });
 }
 
 // Group g's scales (d * sub_scale) and minimums (dmin * sub_min) of the 16
