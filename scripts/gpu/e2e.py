@@ -12,8 +12,9 @@ No --max-model-len: the engine's default, the model config's own context
 (131,072 for Llama-3.1), as a user who sets no option meets it. --backend
 xla runs the plain XLA reference backend (layers under a scan over stacked
 weights) for a before/after in the same run. Times from this script's first
-line: the process start to the engine serving (largest buckets compiled) and
-to every program compiled. Weight-read time = the weights a one-row step reads
+line: the process start to the engine serving (the smallest bucket of each
+layout compiled), to the first token of a short prompt (a user's first
+request) and to every program compiled. Weight-read time = the weights a one-row step reads
 at the device copy bandwidth measured here (read + write bytes counted).
 
 Device step = the step's device programs (forward and sampler) queued back to
@@ -38,7 +39,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 
-from jaxinfer import LLM  # noqa: E402
+from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.backends import XlaBackend  # noqa: E402
 from jaxinfer.bench_timing import copy_bandwidth_gbs, weight_bytes_per_step  # noqa: E402
 from jaxinfer.benchmark import run_latency, run_throughput, synthetic_requests  # noqa: E402
@@ -154,6 +155,9 @@ def main():
         llm = _ReferenceLLM(args.directory, XlaBackend(attention="pallas"), max_model_len=args.max_model_len or 4096,
                             **{k: v for k, v in options.items() if k != "max_model_len"})
     result["ready_s"] = time.time() - START
+    if args.backend == "gpu":  # a user's first request, while the other buckets compile
+        llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        result["first_token_s"] = time.time() - START
     llm.wait_compiled()
     result["compiled_s"] = time.time() - START
     engine = llm.engine

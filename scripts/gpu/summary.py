@@ -86,12 +86,14 @@ def main():
         if run is not None and "ready_s" in run:
             loaded = run["programs_loaded"]
             kind = "cold" if not loaded else "warm" if loaded == run["programs"] else "partly cached"
-            lines.append(f"{label} start ({kind}): serving {run['ready_s']:.1f} s, every program compiled"
+            first_token = f", first token {run['first_token_s']:.1f} s" if "first_token_s" in run else ""
+            lines.append(f"{label} start ({kind}): serving {run['ready_s']:.1f} s{first_token}, every program compiled"
                          f" {run['compiled_s']:.1f} s ({run['programs']} programs, "
                          f"{run['programs_loaded']} loaded from the executable cache)")
     warm = load(out, "e2e_default_warm")
     if warm is not None:
-        lines.append(f"default context warm start: serving {warm['ready_s']:.1f} s, every program "
+        first_token = f", first token {warm['first_token_s']:.1f} s" if "first_token_s" in warm else ""
+        lines.append(f"default context warm start: serving {warm['ready_s']:.1f} s{first_token}, every program "
                      f"{warm['compiled_s']:.1f} s ({warm['programs_loaded']} of {warm['programs']} programs loaded "
                      f"from the executable cache)")
     first = next((run for run in runs.values() if run and "copy_GBps" in run), None)
