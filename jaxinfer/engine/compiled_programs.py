@@ -297,15 +297,16 @@ class CompiledPrograms:
                     return
 
     def _compiled(self, program: tuple, future, buckets: list[tuple]) -> None:
-        """A compilation's end (on the pool's thread): keep the executable
-        and mark each of `buckets` whose programs are now all compiled."""
+        """A compilation's end (on the pool's thread): keep the executable,
+        mark each of `buckets` whose serving programs are now all compiled,
+        and wake a step waiting for this program (_executable)."""
         if future.cancelled() or future.exception() is not None:
             return
         self._executables[program] = future.result()
         for bucket in buckets:
             if bucket not in self._ready and all(p in self._executables for p in self.serving_programs(bucket)):
                 self._mark_ready(bucket)
-        with self._ready_changed:  # a step may wait for this program (_executable)
+        with self._ready_changed:
             self._ready_changed.notify_all()
 
     def _compile_one(self, lowered, program: tuple):
