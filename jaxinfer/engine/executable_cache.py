@@ -16,7 +16,10 @@ Two rules keep a stored program runnable:
 - Only executables XLA compiled in this process are stored. One that JAX read
   back from its own persistent cache serializes again without its machine
   code (XLA:CPU keeps none for it) and fails at run time ("Function ... not
-  found"); JAX reports such a hit as an event on the compiling thread.
+  found"); JAX reports such a hit as an event on the compiling thread, but
+  hands the same executable back from its in-memory cache, with no event,
+  when an equal program is lowered and compiled again in the process (a
+  second engine of the same model), so the ones it served are remembered.
 - The native kernels (native/build.py, native_ffi_target) a program may call are found
   by name when it runs: an entry lists those registered when it was compiled,
   and loading registers them again (a miss where one cannot be built).
@@ -56,6 +59,13 @@ _persistent_cache_hit = threading.local()
 def _on_event(event: str, **kwargs) -> None:
     if event == "/jax/compilation_cache/cache_hits":
         _persistent_cache_hit.value = True
+
+
+# id -> runtime executable, of those JAX's persistent cache served in this
+# process (held, so that no other object takes the id; JAX's in-memory cache
+# holds them anyway).
+_served_by_persistent_cache: dict[int, object] = {}
+_served_lock = threading.Lock()
 
 
 jax.monitoring.register_event_listener(_on_event)
@@ -140,7 +150,12 @@ class ExecutableCache:
         cover) and store the executable under `key`, when XLA compiled it here."""
         _persistent_cache_hit.value = False
         executable = lowered.compile(compiler_options)
-        if _persistent_cache_hit.value:
+        runtime = executable.runtime_executable()
+        with _served_lock:
+            if _persistent_cache_hit.value:
+                _served_by_persistent_cache[id(runtime)] = runtime
+            served = _served_by_persistent_cache.get(id(runtime)) is runtime
+        if served:
             log.info("not storing %s: JAX's persistent cache served it, and its copy cannot be serialized again", key)
             return executable
         try:

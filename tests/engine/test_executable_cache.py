@@ -1,7 +1,8 @@
 """The executable cache (engine/executable_cache.py) across real process
 starts: a second start loads every program instead of compiling it and
 generates HF's greedy tokens with them; programs that JAX's own persistent
-cache served are never stored (their copies would not run)."""
+cache served are never stored (their copies would not run), in a second
+engine of the process either."""
 
 import json
 import os
@@ -85,6 +86,14 @@ def test_second_start_loads_every_program_and_matches_transformers(tiny, tmp_pat
     third = start(model_dir, cache, prompts)
     assert third["loaded"] == 0
     assert third["tokens"] == expected
+    assert entries(cache) == []
+
+    # Nor from a second engine in the process, which compiles the same
+    # programs again: JAX hands back its in-memory copy of what its
+    # persistent cache served, with no cache-hit event (stored, such a copy
+    # failed at the next start: "Function wrapped_iota not found").
+    fourth = start(model_dir, cache, prompts, child=CHILD_SECOND_START)
+    assert fourth["tokens"] == expected
     assert entries(cache) == []
 
 
