@@ -98,6 +98,13 @@ class CpuBackend(XlaBackend):
         (and q8_matmul.cc's K-quant handler), which need AVX-512."""
         return self.native and cpu_has("avx512f")
 
+    def lookup_reads_head(self, few_row_head) -> bool:
+        return self.native and cpu_weights.lookup_reads_head(few_row_head)
+
+    def tiles_k_quants(self) -> bool:
+        """The K-quant kernels read tiles only (cpu_weights.tiled)."""
+        return self.keeps_k_quants_as_stored()
+
     def wants_tied_head_as_stored(self, quantization: str | None) -> bool:
         return self.native and quantization == "gguf"
 

@@ -240,26 +240,36 @@ def layout(params: dict) -> dict:
     for key in layers:
         layers[key] = tiled(layers[key])
     few_row_head = params.pop("few_row_head", None)
-    # A K-quant head is kept unasked: its kernels read tiles only, and asking
-    # here would wait for their build.
-    if few_row_head is not None and (isinstance(few_row_head, KQuantTensor) or kernel_for(1, few_row_head)):
+    if few_row_head is not None and keeps_few_row_head(few_row_head):
         params["few_row_head"] = tiled(few_row_head)
-        # An int8 or K-quant copy (a GGUF's Q8_0 or Q6_K table) holds every
-        # number of the float table: the lookup reads its columns instead and
-        # the float copy goes (the default model's is 108 MB; a
-        # 151k-vocabulary 0.5B's, 545 MB).
-        # Past FEW_ROW_HEAD_MAX_ROWS the head's rows then run the kernel too,
-        # where the float table's dot was a little faster (256 rows 79.4 vs
-        # 75.3 ms): rows past 128 are rare on CPU, the memory is every run's.
-        if isinstance(few_row_head, KQuantTensor) or (isinstance(few_row_head, QuantizedTensor)
-                                                      and few_row_head.scheme == "int8"):
-            params.pop("embed", None)
+        if lookup_reads_head(few_row_head):
+            params.pop("embed", None)  # where the load read it
     # An untied head in its blocks (no lookup reads its columns while
     # "embed" is there): tiled, as the layers, so that a one-row step
     # streams it (the K-quant kernels read tiles only).
     if isinstance(params.get("lm_head"), (QuantizedTensor, KQuantTensor)) and "embed" in params:
         params["lm_head"] = tiled(params["lm_head"])
     return params
+
+
+def keeps_few_row_head(few_row_head) -> bool:
+    """Whether a tied GGUF head's own blocks stay, for the kernels that read
+    them. A K-quant head is kept unasked: its kernels read tiles only, and
+    asking would wait for their build."""
+    return isinstance(few_row_head, KQuantTensor) or bool(kernel_for(1, few_row_head))
+
+
+def lookup_reads_head(few_row_head) -> bool:
+    """Whether the embedding lookup reads a tied head's own blocks instead
+    of a float table (models/llama.py, embed), so that none is kept. An int8
+    or K-quant copy (a GGUF's Q8_0 or Q6_K table) holds every number of the
+    float table, which would cost 108 MB for the default model and 545 MB
+    for a 151k-vocabulary 0.5B. Past FEW_ROW_HEAD_MAX_ROWS the head's rows
+    then run the kernel too, where the float table's dot was a little faster
+    (256 rows 79.4 vs 75.3 ms): rows past 128 are rare on CPU, the memory is
+    every run's."""
+    return keeps_few_row_head(few_row_head) and (isinstance(few_row_head, KQuantTensor) or (
+        isinstance(few_row_head, QuantizedTensor) and few_row_head.scheme == "int8"))
 
 
 def tileable(w: QuantizedTensor) -> bool:

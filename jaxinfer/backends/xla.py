@@ -143,6 +143,18 @@ class XlaBackend:
         (Q2_K, Q3_K). Here (every platform without such a kernel): no."""
         return False
 
+    def lookup_reads_head(self, few_row_head) -> bool:
+        """Whether a tied model's embedding lookup reads `few_row_head` (its
+        head in the file's blocks, wants_tied_head_as_stored) instead of a
+        float table, which the load then does not read."""
+        return False
+
+    def tiles_k_quants(self) -> bool:
+        """Whether the K-quant weights it keeps as stored are read straight
+        into its kernels' tiles of columns (quant/kquant.py, tile) instead
+        of the plain layout that arrange_weights would tile."""
+        return False
+
     def wants_tied_head_as_stored(self, quantization: str | None) -> bool:
         """Whether a load that dequantizes a tied model's head also keeps the
         file's own blocks of it as params["few_row_head"] (a CPU kernel's)."""

@@ -7,7 +7,8 @@ models/layers.py applies. Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K 
 be read straight into a QuantizedTensor (`get_quantized`), repacking the block
 codes and scales so that the values stay exactly the file's, and the K-quants
 (Q2_K .. Q6_K) into a KQuantTensor that holds them at the file's size
-(blocks_to_kquant, quant/kquant.py).
+(blocks_to_kquant, quant/kquant.py; on CPU straight into the kernels' tiles
+by native/kquant_repack.cc, the numpy here being its reference and fallback).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.loading.gguf_file import GGUFFile
 from jaxinfer.loading.gguf_package import gguf
+from jaxinfer.native import kquant_repack
 from jaxinfer.quant.kquant import FORMATS, KQuantTensor, pack_bits
 from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
 
@@ -396,11 +398,14 @@ class GGUFTensors:
             return self._config.num_heads if "q_proj" in name else self._config.num_kv_heads
         return None
 
-    def get_quantized(self, name: str, k_quants_as_stored: bool = False) -> QuantizedTensor | KQuantTensor | None:
+    def get_quantized(self, name: str, k_quants_as_stored: bool = False,
+                      tiled: bool = False) -> QuantizedTensor | KQuantTensor | None:
         """The tensor as a QuantizedTensor in params layout [in, out] (numpy
         leaves), or None when its GGUF type has no direct form.
         k_quants_as_stored: a K-quant (Q2_K .. Q6_K) as a KQuantTensor
-        (quant/kquant.py, the file's size) instead."""
+        (quant/kquant.py, the file's size) instead; tiled: in tiles of
+        columns, repacked in native code (native/kquant_repack.py), where
+        that is built and the shape tiles, else in the plain layout."""
         tensor = self._tensors[name]
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
         if len(tensor.shape) not in (2, 3):
@@ -415,6 +420,12 @@ class GGUFTensors:
                                    None if first.offsets is None else np.stack([e.offsets for e in experts]),
                                    first.scheme, first.group_size)
         if k_quants_as_stored and qtype in K_QUANT_KINDS:
+            if tiled and kquant_repack.takes(out_dim, in_dim):
+                heads = self._unpermute_heads(name)
+                rows = None if heads is None else unpermute_rows(np.arange(out_dim), heads)
+                repacked = kquant_repack.repack(tensor.data, K_QUANT_KINDS[qtype], out_dim, in_dim, rows)
+                if repacked is not None:
+                    return repacked
             return blocks_to_kquant(tensor.data, qtype, out_dim, in_dim, self._unpermute_heads(name))
         if qtype not in DIRECT_TYPES:
             return None

@@ -211,7 +211,7 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
                                                           quantization=quantization, mesh=mesh, backend=backend,
                                                           read_threads=read_threads))
             if prepared:
-                prepared.write(params)
+                prepared.write_behind(params)
     jax.block_until_ready(params)
     return Model(run_config, params, tokenizer, np_dtype, description, time.perf_counter() - start, mesh,
                  quantization, config, backend)

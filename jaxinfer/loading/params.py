@@ -267,15 +267,17 @@ _swap_last_axes = jax.jit(lambda a: jnp.swapaxes(a, -1, -2))  # a 2-D weight or 
 
 
 def _read_direct(source: TensorSource, name: str, expected_shape: tuple, placement: _Placement | None = None,
-                 path: str = "", layer: bool = False, k_quants: bool = False) -> QuantizedTensor | KQuantTensor | None:
+                 path: str = "", layer: bool = False, k_quants: bool = False,
+                 tiled: bool = False) -> QuantizedTensor | KQuantTensor | None:
     """The checkpoint's own quantized form of a linear weight, on the device,
-    or None; k_quants: K-quant blocks as stored (KQuantTensor; one device only)."""
+    or None; k_quants: K-quant blocks as stored (KQuantTensor; one device
+    only), in the CPU kernels' tiles where `tiled` and the source can."""
     if name not in source.names():
         raise CheckpointError(f"{source.description} lacks tensor {name}")
     if hasattr(source, "get_stored"):
         q = source.get_stored(name)
     else:
-        q = source.get_quantized(name, k_quants_as_stored=True) if k_quants else source.get_quantized(name)
+        q = source.get_quantized(name, k_quants_as_stored=True, tiled=tiled) if k_quants else source.get_quantized(name)
     if q is None:
         return None
     _check_shape(source, name, q.shape, True, expected_shape)
@@ -285,12 +287,14 @@ def _read_direct(source: TensorSource, name: str, expected_shape: tuple, placeme
 
 
 def _read_quantized(source, name: str, expected_shape: tuple, quantization: str,
-                    placement: _Placement | None = None, path: str = "", k_quants: bool = False):
+                    placement: _Placement | None = None, path: str = "", k_quants: bool = False,
+                    tiled: bool = False):
     """A linear weight [in, out] quantized per `quantization` (None from "gguf"
     when the stored type has no direct form). RTN starts from float32, not
     from the requested dtype, so bfloat16 loads do not round twice."""
     if quantization in GGUF_QUANTIZATIONS or quantization == STORED:
-        return _read_direct(source, name, expected_shape, placement, path, layer=True, k_quants=k_quants)
+        return _read_direct(source, name, expected_shape, placement, path, layer=True, k_quants=k_quants,
+                            tiled=tiled)
     w = _read(source, name, True, expected_shape, np.float32, placement, path, layer=True)
     if placement is None:
         return quantize_weight(w, quantization, name=name)
@@ -298,7 +302,19 @@ def _read_quantized(source, name: str, expected_shape: tuple, quantization: str,
 
 
 def _stack(per_layer: list):
-    return jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *per_layer)
+    return jax.tree_util.tree_map(_stack_leaves, *per_layer)
+
+
+def _stack_leaves(*leaves):
+    # On the host in numpy where every layer is there: jnp.stack compiles an
+    # XLA program per shape and layer count (~15 ms each on CPU, dozens a load).
+    if all(isinstance(a, np.ndarray) or a.sharding.device_set <= _host_devices() for a in leaves):
+        return jax.device_put(np.stack([np.asarray(a) for a in leaves]))
+    return jnp.stack(leaves)
+
+
+def _host_devices() -> set:
+    return set(jax.devices("cpu")) if jax.default_backend() == "cpu" else set()
 
 
 def _kind(w: QuantizedTensor | KQuantTensor):
@@ -392,6 +408,8 @@ def _build_params(config: ModelConfig, source: TensorSource, dtype: np.dtype, pr
     # where the backend multiplies them so (on one device: the stacks are
     # not split over a mesh).
     k_quants = backend.keeps_k_quants_as_stored() and placement is None
+    # ... read straight into the tiles its kernels read, where it reads tiles.
+    tiled = k_quants and backend.tiles_k_quants()
     # "gguf-a8" marks its weights after the load (with_int8_activations), which
     # decides float16 scales over a whole stacked weight: it stays stacked.
     per_layer_layout = backend.per_layer_weights and quantization != "gguf-a8"
@@ -409,18 +427,26 @@ def _build_params(config: ModelConfig, source: TensorSource, dtype: np.dtype, pr
         # kernel multiplies it as stored.
         keep_head = key == "lm_head" and (quantization in ("gguf-a8", STORED) or (
             quantization == "gguf" and backend.keeps_gguf_head_quantized()))
-        head = _read_direct(source, name, shape, placement, key, k_quants=k_quants) if keep_head else None
+        head = _read_direct(source, name, shape, placement, key, k_quants=k_quants, tiled=tiled) if keep_head else None
         # A head quantized below is read in float32, so it is rounded once.
         read_dtype = np.float32 if quantization in HEAD_SCHEMES and key in ("embed", "lm_head") else dtype
         return head if head is not None else _read(source, name, transpose, shape, read_dtype, placement, key)
 
     def read_layer(key: str, name: str, shape: tuple, quantized: bool):
         if quantized:
-            return _read_quantized(source, name, shape[1:], quantization, placement, f"layers/{key}", k_quants)
+            return _read_quantized(source, name, shape[1:], quantization, placement, f"layers/{key}", k_quants,
+                                   tiled)
         transpose = _LAYER_TENSORS[key][1]
         return _read(source, name, transpose, shape[1:], dtype, placement, f"layers/{key}", layer=True)
 
-    global_keys = [key for key in shapes if key != "layers"]
+    # A tied head kept in the file's blocks (the CPU kernels', few_row_head),
+    # read first: where the embedding lookup reads it, no float table is
+    # read at all (dequantizing a 50M-weight table was most of a 0.5B's read).
+    few_row_head = None
+    if backend.wants_tied_head_as_stored(quantization) and config.tie_word_embeddings:
+        few_row_head = _tied_head_as_stored(source, config, placement, k_quants, tiled)
+    float_embed = few_row_head is None or not backend.lookup_reads_head(few_row_head)
+    global_keys = [key for key in shapes if key != "layers" and (key != "embed" or float_embed)]
     layer_names = {key: [f"model.layers.{i}.{_LAYER_TENSORS[key][0]}" for i in _stored_layers(config, key)]
                    for key in shapes["layers"]}
 
@@ -450,7 +476,7 @@ def _build_params(config: ModelConfig, source: TensorSource, dtype: np.dtype, pr
                 # or each layer as it is where the backend keeps them apart.
                 # (Mixes of the classic types stay one widened stack below.)
                 every = _every_layer(per_layer, stored, config.num_layers)
-                layers[key] = PerLayer(every) if per_layer_layout else MixedStack.of(every, _kind)
+                layers[key] = PerLayer(every) if per_layer_layout else MixedStack.of(every, _kind, _stack)
                 bar.update(config.num_layers)
                 del per_layer, every
                 continue
@@ -481,27 +507,26 @@ def _build_params(config: ModelConfig, source: TensorSource, dtype: np.dtype, pr
     if quantization in HEAD_SCHEMES:
         params["lm_head"] = _quantized_head(params, quantization, placement)
     if quantization == "gguf-a8" and "lm_head" not in params and config.tie_word_embeddings:
-        head = _tied_head_as_stored(source, config, placement, k_quants)
+        head = _tied_head_as_stored(source, config, placement, k_quants, tiled)
         if head is not None:
             params["lm_head"] = head
-    if backend.wants_tied_head_as_stored(quantization) and "lm_head" not in params and config.tie_word_embeddings:
+    if few_row_head is not None:
         # The float head is the faster one past a few rows (see keep_head
         # above); at a few rows a kernel reads the file's blocks, a quarter of
         # the bytes (backends/cpu.py, logits).
-        head = _tied_head_as_stored(source, config, placement, k_quants)
-        if head is not None:
-            params["few_row_head"] = head
+        params["few_row_head"] = few_row_head
     if quantization == "gguf-a8":
         params = with_int8_activations(params)
     return params
 
 
-def _tied_head_as_stored(source: TensorSource, config: ModelConfig, placement, k_quants: bool = False):
+def _tied_head_as_stored(source: TensorSource, config: ModelConfig, placement, k_quants: bool = False,
+                         tiled: bool = False):
     """A tied model's head in the file's own blocks (its embedding table, read
     as a linear weight [hidden, vocab]), or None where its type has no direct form."""
     name = _GLOBAL_TENSORS["embed"][0]  # HF [vocab, hidden] = [out, in]
     return _read_direct(source, name, (config.hidden_size, config.vocab_size), placement, "lm_head",
-                        k_quants=k_quants)
+                        k_quants=k_quants, tiled=tiled)
 
 
 def _quantized_head(params: dict, quantization: str, placement: _Placement | None) -> QuantizedTensor:

@@ -1,7 +1,8 @@
 """A GGUF load's params as the backend arranged them, kept on disk, so that
-the next load of the same file with the same options reads them back
-instead of converting the blocks and tiling them again (numpy on one core:
-seconds for a few hundred MB of weights).
+the next load of the same file with the same options maps them back
+instead of converting the blocks again (and the mapped weights stay
+page-cache pages, not the process's own memory: BENCHMARKS.md, "GGUF
+start-up").
 
 Key: everything the arranged params depend on: the file (resolved path,
 size, mtime_ns, ctime_ns, inode, a hash of its first and last MiB), the
@@ -47,6 +48,7 @@ import os
 import pickle
 import struct
 import tempfile
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -257,16 +259,53 @@ class PreparedParamsCache:
             total -= size
 
 
+# key -> the thread writing that entry in this process (PreparedLoad.write_behind).
+_writers: dict[str, threading.Thread] = {}
+_writers_lock = threading.Lock()
+
+
+def finish_writes() -> None:
+    """Wait for every entry this process is writing (write_behind)."""
+    with _writers_lock:
+        writers = list(_writers.values())
+    for writer in writers:
+        writer.join()
+
+
 class PreparedLoad:
-    """One load's entry: `read` before converting, `write` after (stored only
-    if the file is still the one the key was taken of)."""
+    """One load's entry: `read` before converting, `write` (or
+    `write_behind`) after (stored only if the file is still the one the key
+    was taken of)."""
 
     def __init__(self, cache: PreparedParamsCache, path: Path, options: tuple):
         self.cache, self.path, self.options = cache, path, options
         self.key = cache.key(path, *options)
 
     def read(self):
+        with _writers_lock:
+            writer = _writers.get(self.key)
+        if writer is not None:  # this process is writing it: read it whole
+            writer.join()
         return self.cache.read(self.key)
+
+    def write_behind(self, params) -> None:
+        """`write` on a thread, so that the load returns while the entry is
+        written (hundreds of MB, most of a cold load's second once the
+        conversion is native). Not a daemon: the process waits for it at exit
+        rather than leave the next start nothing to read; a later `read` of
+        the same entry in this process waits for it too."""
+        def write():
+            try:
+                self.write(params)
+            finally:
+                with _writers_lock:
+                    if _writers.get(self.key) is thread:
+                        del _writers[self.key]
+
+        thread = threading.Thread(target=write, name="write-prepared-params")
+        with _writers_lock:
+            _writers[self.key] = thread
+        thread.start()
 
     def write(self, params) -> None:
         try:

@@ -10,7 +10,11 @@ caches and registers them.
                               int8-activation one is q8_matmul.cc's second handler); kquant_matmul.py
     expert_matmul.cc          a MoE's float32 experts, only the selected ones; expert_matmul.py
     paged_attention.cc        attention over the paged KV pool; paged_attention.py
+    zeroed_buffer.cc          zeroed arrays left unallocated until written (the KV pool); zeroed_buffer.py
+    kquant_repack.cc          not a handler: a GGUF's K-quant blocks into the kernels' tiles at load
+                              (ctypes); kquant_repack.py
 
-Only the CPU backend (jaxinfer/backends/cpu.py) calls them; the plain jnp
-path each replaces is the reference their tests compare against.
+The CPU backend (jaxinfer/backends/cpu.py) calls the handlers, the GGUF
+loader the repacking; the plain jnp (numpy) path each replaces is the
+reference their tests compare against.
 """

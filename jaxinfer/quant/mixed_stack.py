@@ -38,9 +38,11 @@ class MixedStack:
     index_in_part: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
     @classmethod
-    def of(cls, per_layer: list, format_of) -> MixedStack:
+    def of(cls, per_layer: list, format_of, stack=None) -> MixedStack:
         """The layers' weights (one per layer) grouped by format_of(weight),
-        each group stacked in layer order."""
+        each group stacked in layer order by stack(weights) (default:
+        jnp.stack of each leaf)."""
+        stack = stack or (lambda weights: jax.tree.map(lambda *leaves: jnp.stack(leaves), *weights))
         formats: list = []
         part_of_layer, index_in_part, members = [], [], {}
         for w in per_layer:
@@ -51,7 +53,7 @@ class MixedStack:
             part_of_layer.append(formats.index(key))
             index_in_part.append(len(members[key]))
             members[key].append(w)
-        parts = tuple(jax.tree.map(lambda *leaves: jnp.stack(leaves), *members[key]) for key in formats)
+        parts = tuple(stack(members[key]) for key in formats)
         return cls(parts, tuple(part_of_layer), tuple(index_in_part))
 
     @property

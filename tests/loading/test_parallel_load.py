@@ -7,8 +7,8 @@ GPU's, backends/gpu.py):
     stored too) and pre-quantized (GPTQ) checkpoints;
   * GpuBackend's params, given per layer by the loader, are the stacked
     load split and arranged, bit for bit, and no layer weight is stacked on
-    the way (jnp.stack, which the stacked load calls for every weight, is
-    never called);
+    the way (the loader's _stack, which the stacked load calls for every
+    weight, is never called);
   * on a 2-device mesh the per-layer load is the stacked one split, each
     layer on the shards the stacked weight's slice had.
 """
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import gguf
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxinfer.backends import CpuBackend, GpuBackend, XlaBackend
 from jaxinfer.loading.checkpoint import open_checkpoint
+import jaxinfer.loading.params as params_module
 from jaxinfer.loading.params import build_params
 from jaxinfer.quant.layer_weights import PerLayer
 from tests.gguf_writer import write_gguf, write_kquant_mix
@@ -121,7 +121,7 @@ def test_threaded_read_equals_sequential(checkpoints, name, quantization, backen
 
 
 class StackCalls:
-    """jnp.stack, counting its calls (it stacks as before)."""
+    """The loader's stacking of a weight's layers (params._stack), counting its calls (it stacks as before)."""
 
     def __init__(self, stack):
         self.stack, self.calls = stack, 0
@@ -136,12 +136,12 @@ class StackCalls:
 def test_gpu_backend_loads_per_layer_without_stacking(checkpoints, monkeypatch, name, quantization):
     """The GPU backend's load: every layer weight given one array per layer,
     arranged into the params the stacked load arranges, bit for bit; no
-    jnp.stack on the way, where the stacked load calls it for every weight."""
+    stacking on the way, where the stacked load stacks every weight."""
     stacked = load_params(checkpoints[name], quantization, XlaBackend(), read_threads=4)
     expected = GpuBackend().arrange_weights(stacked)
 
-    spy = StackCalls(jnp.stack)
-    monkeypatch.setattr(jnp, "stack", spy)
+    spy = StackCalls(params_module._stack)
+    monkeypatch.setattr(params_module, "_stack", spy)
     per_layer = load_params(checkpoints[name], quantization, GpuBackend(), read_threads=4)
     assert spy.calls == 0
     assert all(isinstance(w, PerLayer) for w in per_layer["layers"].values())
@@ -157,6 +157,7 @@ import jax, numpy as np
 from jax.sharding import Mesh
 from jaxinfer.backends import GpuBackend, XlaBackend
 from jaxinfer.loading.checkpoint import open_checkpoint
+import jaxinfer.loading.params as params_module
 from jaxinfer.loading.params import build_params
 from jaxinfer.quant.layer_weights import PerLayer
 

@@ -7,6 +7,9 @@ that converts the file (the cache off or empty)."""
 
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import gguf
 import jax
@@ -16,7 +19,7 @@ import pytest
 import jaxinfer
 import jaxinfer.utils
 from jaxinfer.quant.kquant import KQuantTensor
-from jaxinfer.loading.prepared_cache import PreparedParamsCache
+from jaxinfer.loading.prepared_cache import PreparedParamsCache, finish_writes
 from jaxinfer.quant.mixed_stack import MixedStack
 from tests.gguf_writer import write_kquant_mix
 from tests.tiny_models import make_hf_model
@@ -47,6 +50,7 @@ def load(model, caplog, **options):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="jaxinfer.loading.prepared_cache"):
         loaded = jaxinfer.load(None if model is None else str(model), progress=False, **options)
+        finish_writes()  # the entry is written behind the load
     return loaded, any("prepared params read from" in r.getMessage() for r in caplog.records)
 
 
@@ -103,6 +107,21 @@ def test_kquant_file_hit_and_quantization_miss(tmp_path, cache_dir, caplog):
     a8_again, hit = load(path, caplog, quantization="gguf-a8")
     assert hit
     assert_same_params(a8, a8_again)
+
+
+def test_an_entry_written_behind_a_load_is_whole_when_the_process_exits(tmp_path, cache_dir, caplog, monkeypatch):
+    """The entry is written on a thread after load() returns; a process that
+    exits at once (a one-shot `jaxinfer generate`) still leaves it whole,
+    and the next load reads it."""
+    path = kquant_file(tmp_path / "m.gguf", seed=6)
+    env = {**os.environ, "JAXINFER_CACHE_DIR": str(cache_dir)}
+    env.pop("JAXINFER_DISABLE_COMPILATION_CACHE", None)
+    child = f"import jaxinfer; jaxinfer.load({str(path)!r}, progress=False)"
+    subprocess.run([sys.executable, "-c", child], env=env, check=True, cwd=Path(__file__).parents[2])
+    assert len(entries(cache_dir)) == 1 and not list(cache_dir.glob("*/prepared/.tmp-*"))
+    loaded, hit = load(path, caplog)
+    assert hit
+    assert_same_params(loaded, uncached_load(path, monkeypatch))
 
 
 def test_a_touched_or_rewritten_file_loads_afresh(tmp_path, cache_dir, caplog, monkeypatch):

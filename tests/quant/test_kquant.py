@@ -22,9 +22,10 @@ import pytest
 import jaxinfer
 from jaxinfer.backends import CpuBackend, XlaBackend
 from jaxinfer.errors import CheckpointError
-from jaxinfer.loading.gguf import SUPPORTED_TENSOR_TYPES, blocks_to_kquant, open_gguf, unpermute_rows
+from jaxinfer.loading.gguf import (K_QUANT_KINDS, SUPPORTED_TENSOR_TYPES, GGUFTensors, blocks_to_kquant, open_gguf,
+                                   unpermute_rows)
 from jaxinfer.loading.model import Model
-from jaxinfer.native import kquant_matmul
+from jaxinfer.native import kquant_matmul, kquant_repack
 from jaxinfer.perplexity import perplexity
 from jaxinfer.quant.kquant import KQuantTensor, dequantize
 from jaxinfer.quant.layer_weights import LayerOf
@@ -40,8 +41,9 @@ CPU = CpuBackend()
 
 def test_kernels_build_here():
     # Not a skip: CI has g++ and an AVX512-VNNI CPU, and without the kernels
-    # K-quant files decode through a float copy of every weight.
-    assert kquant_matmul.available() and kquant_matmul.q8_available()
+    # K-quant files decode through a float copy of every weight (and without
+    # the repacking, a load converts them in numpy, seconds slower).
+    assert kquant_matmul.available() and kquant_matmul.q8_available() and kquant_repack.available()
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
@@ -50,7 +52,8 @@ def test_blocks_dequantize_to_ggufs_values_bit_for_bit(qtype, heads):
     """Random blocks (with and without llama.cpp's Q/K row order undone): the
     held form dequantizes to gguf's own float32 values, plain and tiled, and
     holds the file's bytes (Q2_K, Q6_K) or at most 4% more (one byte per 6-bit
-    sub-scale)."""
+    sub-scale). The native repacking straight into tiles (a CPU load's) gives
+    the tiled form byte for byte."""
     raw = random_k_blocks(np.random.default_rng(5), qtype, 128, 512)
     expected = gguf.quants.dequantize(raw, qtype)  # [out, in]
     if heads:
@@ -63,6 +66,15 @@ def test_blocks_dequantize_to_ggufs_values_bit_for_bit(qtype, heads):
     for a, b in zip(jax.tree.leaves(tiled.untiled()), jax.tree.leaves(w)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert raw.nbytes <= w.nbytes <= 1.04 * raw.nbytes
+    rows = None if heads is None else unpermute_rows(np.arange(128), heads)
+    repacked = kquant_repack.repack(raw, K_QUANT_KINDS[qtype], 128, 512, rows)
+    assert jax.tree.structure(repacked) == jax.tree.structure(tiled)
+    for a, b in zip(jax.tree.leaves(repacked), jax.tree.leaves(tiled)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(dequantize(jax.device_put(repacked))), expected.T)
+    with pytest.raises(ValueError, match="bytes"):
+        kquant_repack.repack(raw[:-1], K_QUANT_KINDS[qtype], 128, 512)
 
 
 def stacked_weight(qtype, layers: int, in_features: int, out_features: int, seed: int = 0):
@@ -308,8 +320,13 @@ def test_a_tied_k_quant_table_is_the_only_embedding_copy(tmp_path):
     the blocks' columns), and the logits are the float load's."""
     path = write_kquant_mix(make_hf_model("llama_kquant_tied", seed=21), tmp_path / "tied.gguf",
                             {"token_embd.weight": Q.Q6_K}, seed=8)
-    kquant = jaxinfer.load(str(path), progress=False)
+    read_as_float = []
+    get = GGUFTensors.get
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GGUFTensors, "get", lambda self, name: read_as_float.append(name) or get(self, name))
+        kquant = jaxinfer.load(str(path), progress=False)
     assert isinstance(kquant.params["few_row_head"], KQuantTensor) and "embed" not in kquant.params
+    assert "model.embed_tokens.weight" not in read_as_float  # not even dequantized on the way
     float_load = jaxinfer.load(str(path), progress=False, quantization=None)
     assert_logits_close(kquant.logits(TOKENS), float_load.logits(TOKENS), rtol=1e-5)
 
