@@ -26,7 +26,7 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxinfer.engine.executable_cache import LOAD_THREADS, ExecutableCache
-from jaxinfer.engine.sampler import CONDITIONAL, SamplerWork
+from jaxinfer.engine.sampler import CONDITIONAL, GREEDY, SamplerWork
 from jaxinfer.engine.tracing_turns import TRACING_TURNS
 from jaxinfer.utils import bucket_size, powers_of_two
 
@@ -64,11 +64,13 @@ class CompiledPrograms:
         self._background: _BackgroundCompile | None = None
         self._coming: set = set()  # programs the background thread compiles or loads (warmup)
         self.warmed_up = False
-        # The sample programs of each size: the conditional one, or one per
-        # combination of optional pieces (engine/sampler.py, needed_work).
+        # The sample programs of each size: the conditional one (and, plain,
+        # the greedy one, runner.py's _sampler_work), or one per combination
+        # of optional pieces (engine/sampler.py, needed_work).
         self._sampler_works = [CONDITIONAL] if backend.conditional_skips else [
             SamplerWork(conditional=False, draw=draw, filters=filters)
             for draw, filters in ((False, False), (True, False), (True, True))]
+        self._plain_sampler_works = [*self._sampler_works, *([GREEDY] if backend.conditional_skips else [])]
 
     # -- the bucket grid -----------------------------------------------------
     def buckets(self) -> list[tuple[int, int, str]]:
@@ -87,18 +89,20 @@ class CompiledPrograms:
         _, num_seqs, layout = bucket
         programs = [("forward", *bucket)]
         if self.sampling:
-            programs += [("sample", num_seqs, full, work) for full in (False, True) for work in self._sampler_works]
+            programs += [("sample", num_seqs, False, work) for work in self._plain_sampler_works]
+            programs += [("sample", num_seqs, True, work) for work in self._sampler_works]
             if layout == "verify":
                 programs.append(("verify", num_seqs, self.num_speculative_tokens))
         return programs
 
     def serving_programs(self, bucket: tuple[int, int, str]) -> list[tuple]:
         """The programs of `bucket` that must be compiled before it serves:
-        all but the full samplers, which only a request with penalties or
-        logprobs runs (one that comes before its sampler is compiled waits
-        for it, _executable). The first buckets serve ~1.5 s sooner on a
-        two-core CPU, where a sampler compiles in ~0.7 s."""
-        return [p for p in self.bucket_programs(bucket) if not (p[0] == "sample" and p[2])]
+        its forward and the greedy sampler (and acceptance, verifying). A
+        request that samples, or asks for penalties or logprobs, and comes
+        before its sampler is compiled waits for it (_executable). On a
+        two-core CPU the first buckets serve ~2 s sooner: a full sampler
+        compiles in ~0.7 s, the conditional one in ~0.5 s, the greedy one in 0.09 s."""
+        return [p for p in self.bucket_programs(bucket) if p[0] != "sample" or (not p[2] and p[3] == GREEDY)]
 
     def programs(self) -> list[tuple]:
         """Every program warm-up compiles."""

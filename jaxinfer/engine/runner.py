@@ -18,7 +18,7 @@ from jaxinfer.engine.compiled_programs import CompiledPrograms
 from jaxinfer.engine.executable_cache import ExecutableCache
 from jaxinfer.engine.inputs import StepInputs, build_inputs
 from jaxinfer.engine.programs import forward_step, sample_step, verify_step
-from jaxinfer.engine.sampler import CONDITIONAL, SamplerWork, SamplingMetadata, make_penalty_inputs, needed_work
+from jaxinfer.engine.sampler import CONDITIONAL, GREEDY, SamplerWork, SamplingMetadata, make_penalty_inputs, needed_work
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence
 from jaxinfer.engine.token_rules import constrained_this_step, fill_step_masks
@@ -207,12 +207,15 @@ class ModelRunner(CompiledPrograms):
         statics = dict(full=full, work=work, feed_size=self.feed_size, mesh=self.mesh)
         return sample_step, (logits, sampling, penalties, *masks), statics
 
-    def _sampler_work(self, seqs: list[Sequence]) -> SamplerWork:
-        """The sample program a batch runs: the conditional one, or (a backend
-        without conditional skips) the one with just the pieces it needs."""
-        if self.backend.conditional_skips:
-            return CONDITIONAL
-        return needed_work([s.params for s in seqs], self.config.vocab_size)
+    def _sampler_work(self, seqs: list[Sequence], full: bool) -> SamplerWork:
+        """The sample program a batch runs: the one with just the pieces it
+        needs (a backend without conditional skips), or else the greedy one
+        for a plain greedy batch (it serves first, compiled_programs.py's
+        serving_programs) and the conditional one for any other."""
+        work = needed_work([s.params for s in seqs], self.config.vocab_size)
+        if not self.backend.conditional_skips:
+            return work
+        return GREEDY if work == GREEDY and not full else CONDITIONAL
 
     def _verify(self, logits, drafts, num_drafts, sampling):
         return self._run(("verify", drafts.shape[0], drafts.shape[1]),
@@ -256,7 +259,7 @@ class ModelRunner(CompiledPrograms):
         # Dispatch is asynchronous: the host fills the masks while the device runs the forward.
         masks = self._token_masks(batch, num_seqs)
         if not verify:
-            sampled, self._feed = self._sample(logits, sampling, penalties, full, self._sampler_work(seqs), masks)
+            sampled, self._feed = self._sample(logits, sampling, penalties, full, self._sampler_work(seqs, full), masks)
             self._feed_rows = {s.seq_id: i for i, s in enumerate(seqs)}
             self.device_time += time.perf_counter() - start
             return Launched(sampled, None, num_emitted, features, inputs.attn_meta.query_start)
@@ -269,8 +272,8 @@ class ModelRunner(CompiledPrograms):
         token_ids, num_emitted = np.array(token_ids), np.array(num_emitted)
         sampled = None
         if not num_drafts[: len(seqs)].all():
-            sampled = jax.device_get(self._sample(first_logits, sampling, penalties, full, self._sampler_work(seqs),
-                                                  masks)[0])
+            work = self._sampler_work(seqs, full)
+            sampled = jax.device_get(self._sample(first_logits, sampling, penalties, full, work, masks)[0])
             drafted = num_drafts > 0
             token_ids[:, 0] = np.where(drafted, token_ids[:, 0], sampled.token_ids)
             num_emitted = np.where(drafted, num_emitted, 1)

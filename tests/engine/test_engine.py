@@ -73,11 +73,13 @@ def test_batched_equals_sequential(tiny_dir, workload, reference, options):
 
 def test_serves_a_short_request_while_the_rest_compile(tiny_dir, workload, reference, monkeypatch):
     """background_compile: the engine serves as soon as each layout's
-    smallest bucket is compiled, its full samplers aside. A short request
-    runs in those buckets with the reference's tokens (no step compiles, none
-    is padded into a larger bucket); one asking for logprobs waits for its
-    full sampler, and a step that no compiled bucket holds for the largest
-    buckets, which the background thread compiles next; then the rest."""
+    smallest bucket has its forward and greedy sampler compiled. A short
+    greedy request runs in those buckets with the reference's tokens (no
+    step compiles, none is padded into a larger bucket); one asking for
+    logprobs waits for its full sampler, one that samples for the
+    conditional sampler (then its tokens are those of the same request on
+    the compiled engine), and a step that no compiled bucket holds for the
+    largest buckets, which the background thread compiles next; then the rest."""
     gate = threading.Event()
     compile_buckets = ModelRunner._compile
 
@@ -94,8 +96,13 @@ def test_serves_a_short_request_while_the_rest_compile(tiny_dir, workload, refer
     waited = {}
     waiter = threading.Thread(target=lambda: waited.setdefault("bucket", runner.bucket(8, 8)))
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=max_tokens[short], ignore_eos=True, logprobs=2)
-    asking = threading.Thread(target=lambda: waited.setdefault(
-        "logprobs", llm.generate([prompts[short]], with_logprobs, use_tqdm=False)[0].outputs[0]))
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=max_tokens[short], ignore_eos=True)
+
+    def ask():  # one request at a time: generate() is not for two threads at once
+        for name, params in (("sampled", sampled), ("logprobs", with_logprobs)):
+            waited[name] = llm.generate([prompts[short]], params, use_tqdm=False)[0].outputs[0]
+
+    asking = threading.Thread(target=ask)
     try:
         compiled = llm.stats()["num_compilations"]
         first = [(1, 1, "decode"), (16, 8, "mixed")]
@@ -104,20 +111,24 @@ def test_serves_a_short_request_while_the_rest_compile(tiny_dir, workload, refer
         output = llm.generate([prompts[short]], greedy(max_tokens[short]), use_tqdm=False)[0]
         assert output.outputs[0].token_ids == reference[short]
         assert llm.stats()["num_compilations"] == compiled  # served without compiling
-        waiter.start()
-        asking.start()
-        waiter.join(0.5)
-        asking.join(0.5)
-        # Eight decode rows: no compiled bucket holds them yet; logprobs: the full sampler is not compiled.
-        assert waiter.is_alive() and asking.is_alive() and not waited
+        threads = [waiter, asking]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(0.5)
+        # Eight decode rows: no compiled bucket holds them yet; sampling: the
+        # conditional sampler is not compiled (then logprobs: the full one).
+        assert all(thread.is_alive() for thread in threads) and not waited
     finally:
         gate.set()
-    waiter.join(120)
-    asking.join(120)
+    for thread in threads:
+        thread.join(120)
     assert waited["bucket"] == (8, 8, "decode")
     assert waited["logprobs"].token_ids == reference[short] and len(waited["logprobs"].logprobs) == max_tokens[short]
     llm.wait_compiled()
     assert llm.stats()["num_compilations"] == len(runner.programs()) and llm.stats()["num_programs_compiling"] == 0
+    again = llm.generate([prompts[short]], sampled, use_tqdm=False)[0].outputs[0]
+    assert waited["sampled"].token_ids == again.token_ids and again.token_ids != reference[short]
     outputs = llm.generate(prompts[:4], [greedy(n) for n in max_tokens[:4]], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference[:4]
 
