@@ -33,6 +33,26 @@ _cache_enabled = False
 KEPT_FINGERPRINTS = 4
 
 
+# The alignment at which jax.device_put on CPU adopts a numpy array's memory
+# instead of copying it (XLA's minimum; numpy's large allocations sit 16 bytes
+# past a page).
+HOST_ALIGNMENT = 64
+
+
+def host_empty(shape: tuple, dtype):
+    """An uninitialized numpy array starting on a HOST_ALIGNMENT boundary: one a
+    loader fills and hands to jax.device_put, which on CPU then keeps these
+    bytes rather than a copy of them (a second copy of every weight while an
+    8B model loads)."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buffer = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
+    start = -buffer.ctypes.data % HOST_ALIGNMENT
+    return buffer[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def compilation_cache_dir() -> Path | None:
     """Where this process's compiled programs are cached, or None where that
     is off (JAXINFER_DISABLE_COMPILATION_CACHE, set by the test suite): a

@@ -23,6 +23,11 @@ machines, and the default model's 576-wide rows are not whole K-quant super-bloc
     python scripts/make_kquant_gguf.py /tmp/kquant.gguf --mix Q4_K_M
     python scripts/make_kquant_gguf.py /tmp/kquant05.gguf --mix Q4_K_M --mlp 4864
     python scripts/bench_cpu.py --model /tmp/kquant.gguf --schemes gguf --batch-sizes 1,8,32
+
+--shape 8b lays out Llama-3.1-8B's shapes instead (hidden 4096, 32 layers of 32
+heads, 8 KV heads, MLP 14336, an untied Q6_K head; the vocabulary stays the
+tokenizer's 49,152 rather than 128,256): ~4.6 GB at Q4_K_M, for start-up and
+memory at that size.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from jaxinfer.loading.checkpoint import default_model_path  # noqa: E402
 from tests.gguf_writer import random_k_blocks  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-HIDDEN, LAYERS, MLP, HEADS, KV_HEADS, VOCAB = 1024, 24, 2816, 16, 4, 49152
+VOCAB = 49152
+# --shape -> (hidden, layers, heads, KV heads, MLP, tied embeddings)
+SHAPES = {"0.3b": (1024, 24, 16, 4, 2816, True), "8b": (4096, 32, 32, 8, 14336, False)}
 
 
 def more_bits(layer: int, layers: int) -> bool:
@@ -66,19 +73,21 @@ def main() -> None:
     parser.add_argument("out", help="the .gguf file to write")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mix", default="Q4_K_M", choices=sorted(MIXES), help="llama.cpp's file type to lay out")
-    parser.add_argument("--mlp", type=int, default=MLP, help="the MLP's width (a multiple of 256)")
+    parser.add_argument("--shape", default="0.3b", choices=sorted(SHAPES), help="the model's shapes")
+    parser.add_argument("--mlp", type=int, help="the MLP's width (a multiple of 256; default the shape's)")
     args = parser.parse_args()
-    if args.mlp % 256:
-        parser.error(f"--mlp {args.mlp} is not a multiple of 256 (K-quant super-blocks)")
-    mlp = args.mlp
-    head_dim = HIDDEN // HEADS
+    hidden, layers, heads, kv_heads, mlp, tied = SHAPES[args.shape]
+    mlp = args.mlp or mlp
+    if mlp % 256:
+        parser.error(f"--mlp {mlp} is not a multiple of 256 (K-quant super-blocks)")
+    head_dim = hidden // heads
     writer = gguf.GGUFWriter(args.out, "llama")
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(layers)
     writer.add_context_length(8192)
-    writer.add_embedding_length(HIDDEN)
+    writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(mlp)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(VOCAB)
@@ -88,15 +97,17 @@ def main() -> None:
         if name.startswith("tokenizer."):
             getattr(writer, VALUE_WRITERS[field.types[0]])(name, field.contents())
     rng = np.random.default_rng(args.seed)
-    writer.add_tensor("token_embd.weight", random_k_blocks(rng, Q.Q6_K, VOCAB, HIDDEN), raw_dtype=Q.Q6_K)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    for i in range(LAYERS):
-        types = MIXES[args.mix](i, LAYERS)
-        weights = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
-                   "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-                   "ffn_gate": (mlp, HIDDEN), "ffn_up": (mlp, HIDDEN), "ffn_down": (HIDDEN, mlp)}
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+    writer.add_tensor("token_embd.weight", random_k_blocks(rng, Q.Q6_K, VOCAB, hidden), raw_dtype=Q.Q6_K)
+    if not tied:
+        writer.add_tensor("output.weight", random_k_blocks(rng, Q.Q6_K, VOCAB, hidden), raw_dtype=Q.Q6_K)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        types = MIXES[args.mix](i, layers)
+        weights = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
+                   "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+                   "ffn_gate": (mlp, hidden), "ffn_up": (mlp, hidden), "ffn_down": (hidden, mlp)}
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
         for name, (rows, columns) in weights.items():
             qtype = types.get(name, types["base"])
             writer.add_tensor(f"blk.{i}.{name}.weight", random_k_blocks(rng, qtype, rows, columns), raw_dtype=qtype)

@@ -377,6 +377,7 @@ class GGUFTensors:
 
     def __init__(self, reader: GGUFFile, config: ModelConfig, path):
         self.description = str(path)
+        self._reader = reader
         self._config = config
         self._unpermute = reader.fields.get("general.architecture") == "llama"
         self._tensors = {}
@@ -407,6 +408,12 @@ class GGUFTensors:
         columns, repacked in native code (native/kquant_repack.py), where
         that is built and the shape tiles, else in the plain layout."""
         tensor = self._tensors[name]
+        try:
+            return self._quantized(name, tensor, k_quants_as_stored, tiled)
+        finally:
+            self._reader.release(tensor.data)
+
+    def _quantized(self, name: str, tensor, k_quants_as_stored: bool, tiled: bool):
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
         if len(tensor.shape) not in (2, 3):
             return None
@@ -433,6 +440,12 @@ class GGUFTensors:
 
     def get(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
+        try:
+            return self._float(name, tensor)
+        finally:
+            self._reader.release(tensor.data)
+
+    def _float(self, name: str, tensor) -> np.ndarray:
         qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
         if qtype not in SUPPORTED_TENSOR_TYPES:
             raise CheckpointError(

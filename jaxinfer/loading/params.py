@@ -68,6 +68,7 @@ from jaxinfer.quant.layer_weights import PerLayer
 from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.params import HEAD_SCHEMES, QUANTIZED_KEYS, quantize_weight, with_int8_activations
 from jaxinfer.quant.tensor import SCHEMES, QuantizedTensor, as_int8_groups
+from jaxinfer.utils import host_empty
 
 log = logging.getLogger(__name__)
 
@@ -307,9 +308,12 @@ def _stack(per_layer: list):
 
 def _stack_leaves(*leaves):
     # On the host in numpy where every layer is there: jnp.stack compiles an
-    # XLA program per shape and layer count (~15 ms each on CPU, dozens a load).
+    # XLA program per shape and layer count (~15 ms each on CPU, dozens a
+    # load); into aligned memory, which the device array then keeps.
     if all(isinstance(a, np.ndarray) or a.sharding.device_set <= _host_devices() for a in leaves):
-        return jax.device_put(np.stack([np.asarray(a) for a in leaves]))
+        stacked = host_empty((len(leaves), *leaves[0].shape), leaves[0].dtype)
+        np.stack([np.asarray(a) for a in leaves], out=stacked)
+        return jax.device_put(stacked)
     return jnp.stack(leaves)
 
 

@@ -66,7 +66,7 @@ FORMAT_VERSION = 1
 MAGIC = b"jaxinfer-params\n"
 PREAMBLE = 32  # MAGIC, header length, header crc32, padding
 ALIGN = 4096   # every leaf starts on a page: an aligned buffer is what device_put adopts without a copy
-MAX_BYTES = 4 * 2**30
+MAX_BYTES = 16 * 2**30  # two 8B Q4_K_M files' params (4.5 GB each), or one 13B's
 SAMPLE_BYTES = 2**20  # of the file's start and end, hashed into the key
 STALE_TEMPORARY_SECONDS = 3600  # a temporary file this old was left by a process that died writing it
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxinfer.native.build import native_library
 from jaxinfer.quant.kquant import FORMATS, SUPER_BLOCK, TILE, KQuantTensor
+from jaxinfer.utils import host_empty
 
 SOURCE = Path(__file__).with_suffix(".cc")
 KINDS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # kquant_repack.cc's Kind
@@ -60,7 +61,7 @@ def repack(blocks: np.ndarray, kind: str, out_dim: int, in_dim: int, rows: np.nd
     has_minimums = f.minimums == "separate"
 
     def plane(rows_per_tile, dtype=np.uint8):
-        return np.empty((tiles, rows_per_tile, TILE), dtype)
+        return host_empty((tiles, rows_per_tile, TILE), dtype)
 
     codes = plane(in_dim * f.low_bits // 8)
     high = plane(in_dim * f.high_bits // 8) if f.high_bits else None
