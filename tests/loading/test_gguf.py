@@ -131,3 +131,43 @@ def test_missing_and_garbage_files(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match="junk.gguf"):
         jaxinfer.load(str(tmp_path / "junk.gguf"), progress=False)
+
+
+def mapping_rss(address: int) -> int:
+    """Bytes of this process's mapping that holds `address` resident in it
+    (/proc/self/smaps' Rss of that mapping: the process's own view, where
+    mincore would report the page cache's)."""
+    mapping = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                mapping = start <= address < end
+            elif mapping and fields[0] == "Rss:":
+                return int(fields[1]) * 1024
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+def test_a_released_tensor_leaves_the_process_and_reads_the_same(tmp_path):
+    """GGUFFile.release: the pages under a converted tensor stop counting in
+    the process (an 8B file's read pages otherwise stay beside their
+    converted copy for the whole load), and the tensor still reads the
+    file's numbers afterwards."""
+    from jaxinfer.loading.gguf_file import GGUFFile
+
+    values = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)  # 4 MiB
+    writer = gguf.GGUFWriter(str(tmp_path / "big.gguf"), "llama")
+    writer.add_tensor("big.weight", values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = GGUFFile(tmp_path / "big.gguf")
+    data = reader.tensors[0].data
+    np.testing.assert_array_equal(data, values)  # every page read
+    address = data.ctypes.data
+    assert mapping_rss(address) >= values.nbytes - 4096
+    reader.release(data)
+    assert mapping_rss(address) <= 2 * 4096  # at most the partial pages at either end
+    np.testing.assert_array_equal(data, values)
