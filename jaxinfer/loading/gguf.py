@@ -13,8 +13,10 @@ by native/kquant_repack.cc, the numpy here being its reference and fallback).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
@@ -23,6 +25,7 @@ from jaxinfer.loading.gguf_file import GGUFFile
 from jaxinfer.loading.gguf_package import gguf
 from jaxinfer.native import kquant_repack
 from jaxinfer.quant.kquant import FORMATS, KQuantTensor, pack_bits
+from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
 
 # GGUF `general.architecture` -> ours. Mistral GGUFs say "llama", and so do
@@ -437,6 +440,43 @@ class GGUFTensors:
         if qtype not in DIRECT_TYPES:
             return None
         return blocks_to_quantized(tensor.data, qtype, out_dim, in_dim, self._unpermute_heads(name))
+
+    def stacked_k_quants(self, names: list[str]):
+        """The layers `names` (one weight, in layer order) as one tiled stack,
+        each layer repacked in native code straight into its place
+        (native/kquant_repack.py), instead of read one by one and stacked
+        after: a KQuantTensor [layers, in, out], or a MixedStack where the
+        layers mix K-quant kinds (quant/mixed_stack.py, one part per kind,
+        in the order of their first layers). -> (one callable per layer
+        that fills it, a callable giving the stack once they all have run),
+        or None where a layer is not a K-quant the repacking tiles or the
+        library is not built (read them one by one then)."""
+        tensors = [self._tensors[name] for name in names]
+        kinds = [K_QUANT_KINDS.get(gguf.GGMLQuantizationType(t.tensor_type)) for t in tensors]
+        if not tensors or None in kinds or any(len(t.shape) != 2 for t in tensors) or not kquant_repack.available():
+            return None
+        in_dim, out_dim = (int(d) for d in tensors[0].shape)
+        if any(tuple(t.shape) != tensors[0].shape for t in tensors) or not kquant_repack.takes(out_dim, in_dim):
+            return None
+        order = list(dict.fromkeys(kinds))
+        index_in_part = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
+        parts = [kquant_repack.empty(kind, out_dim, in_dim, layers=kinds.count(kind)) for kind in order]
+        heads = self._unpermute_heads(names[0])
+        rows = None if heads is None else unpermute_rows(np.arange(out_dim), heads)
+
+        def fill(i: int) -> None:
+            layer = jax.tree.map(lambda a: a[index_in_part[i]], parts[order.index(kinds[i])])
+            try:
+                kquant_repack.repack(tensors[i].data, kinds[i], out_dim, in_dim, rows, out=layer)
+            finally:
+                self._reader.release(tensors[i].data)
+
+        def stack():
+            if len(parts) == 1:
+                return parts[0]
+            return MixedStack(tuple(parts), tuple(order.index(kind) for kind in kinds), tuple(index_in_part))
+
+        return [functools.partial(fill, i) for i in range(len(names))], stack
 
     def get(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]

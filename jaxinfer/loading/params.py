@@ -457,11 +457,20 @@ def _build_params(config: ModelConfig, source: TensorSource, dtype: np.dtype, pr
     def quantized(key: str) -> bool:
         return key in QUANTIZED_KEYS and quantization is not None
 
+    # K-quant layers the source repacks straight into one stack (GGUF on
+    # CPU): the stream's reads fill it in place, nothing is stacked after.
+    filled = {}
+    if tiled and not per_layer_layout and hasattr(source, "stacked_k_quants"):
+        for key in shapes["layers"]:
+            if quantized(key) and len(_stored_layers(config, key)) == config.num_layers:
+                filled[key] = source.stacked_k_quants(layer_names[key])
+        filled = {key: fills for key, fills in filled.items() if fills is not None}
+
     # Every tensor in checkpoint order, one stream: the next weight's reads
     # start while the last layers of this one finish.
     thunks = [functools.partial(read_global, key, shapes[key]) for key in global_keys]
-    thunks += [functools.partial(read_layer, key, name, shape, quantized(key))
-               for key, shape in shapes["layers"].items() for name in layer_names[key]]
+    thunks += [filled[key][0][i] if key in filled else functools.partial(read_layer, key, name, shape, quantized(key))
+               for key, shape in shapes["layers"].items() for i, name in enumerate(layer_names[key])]
     results = _in_order(thunks, pool, threads)
     params = {}
     for key in global_keys:
@@ -472,6 +481,10 @@ def _build_params(config: ModelConfig, source: TensorSource, dtype: np.dtype, pr
         stored = _stored_layers(config, key)
         names = layer_names[key]
         per_layer = [next(results) for _ in names]
+        if key in filled:
+            layers[key] = jax.device_put(filled[key][1]())  # aligned host memory: kept, not copied
+            bar.update(config.num_layers)
+            continue
         if quantized(key):
             kinds = {None if w is None else _kind(w) for w in per_layer}
             if len(kinds) > 1 and None not in kinds and any(isinstance(w, KQuantTensor) for w in per_layer):

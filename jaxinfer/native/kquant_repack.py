@@ -10,6 +10,7 @@ import ctypes
 import functools
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxinfer.native.build import native_library
@@ -18,6 +19,7 @@ from jaxinfer.utils import host_empty
 
 SOURCE = Path(__file__).with_suffix(".cc")
 KINDS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # kquant_repack.cc's Kind
+BLOCK_BYTES = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}  # a block of 256 weights, as stored
 
 
 @functools.cache
@@ -41,41 +43,53 @@ def takes(out_dim: int, in_dim: int) -> bool:
     return out_dim % TILE == 0 and in_dim % SUPER_BLOCK == 0
 
 
-def repack(blocks: np.ndarray, kind: str, out_dim: int, in_dim: int, rows: np.ndarray | None = None):
-    """A K-quant [out, in] matrix's blocks (uint8, the file's bytes) -> a
-    KQuantTensor [in, out] tiled by TILE, numpy leaves; column j is the
-    file's row rows[j] (default j). None where the library is not available."""
-    function = _function()
-    if function is None:
-        return None
+def empty(kind: str, out_dim: int, in_dim: int, layers: int | None = None) -> KQuantTensor:
+    """An uninitialized tiled KQuantTensor [in, out] (with a leading axis of
+    `layers` where given) in aligned host memory (utils.host_empty), for
+    `repack` to fill, a layer at a time."""
     if not takes(out_dim, in_dim):
         raise ValueError(f"a {kind} matrix of {out_dim} rows and {in_dim} columns does not tile by {TILE}")
     f = FORMATS[kind]
-    tiles, supers = out_dim // TILE, in_dim // SUPER_BLOCK
+    lead = () if layers is None else (layers,)
+
+    def plane(rows_per_tile, dtype=np.uint8):
+        return host_empty((*lead, out_dim // TILE, rows_per_tile, TILE), dtype)
+
+    supers = in_dim // SUPER_BLOCK
+    return KQuantTensor(
+        plane(in_dim * f.low_bits // 8), plane(in_dim * f.high_bits // 8) if f.high_bits else None,
+        plane(in_dim // f.group, np.int8 if f.signed_scales else np.uint8),
+        plane(in_dim // f.group) if f.minimums == "separate" else None,
+        plane(supers, np.float16), plane(supers, np.float16) if f.minimums else None, kind, tile=TILE)
+
+
+def repack(blocks: np.ndarray, kind: str, out_dim: int, in_dim: int, rows: np.ndarray | None = None,
+           out: KQuantTensor | None = None):
+    """A K-quant [out, in] matrix's blocks (uint8, the file's bytes) -> a
+    KQuantTensor [in, out] tiled by TILE, numpy leaves; column j is the
+    file's row rows[j] (default j). Written into `out` (one layer of an
+    `empty` stack, say) where given, else into new memory. None where the
+    library is not available."""
+    function = _function()
+    if function is None:
+        return None
     blocks = np.ascontiguousarray(blocks, np.uint8)  # a view of the mapped file where it already is one
-    block_bytes = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}[kind]
-    if blocks.size != out_dim * supers * block_bytes:
+    if blocks.size != out_dim * (in_dim // SUPER_BLOCK) * BLOCK_BYTES[kind]:
         raise ValueError(f"{blocks.size} bytes of {kind} blocks for a matrix [{out_dim}, {in_dim}]")
     if rows is not None and (len(rows) != out_dim or np.min(rows) < 0 or np.max(rows) >= out_dim):
         raise ValueError(f"rows must be {out_dim} row numbers below {out_dim}")
-    has_minimums = f.minimums == "separate"
-
-    def plane(rows_per_tile, dtype=np.uint8):
-        return host_empty((tiles, rows_per_tile, TILE), dtype)
-
-    codes = plane(in_dim * f.low_bits // 8)
-    high = plane(in_dim * f.high_bits // 8) if f.high_bits else None
-    sub_scales = plane(in_dim // f.group, np.int8 if f.signed_scales else np.uint8)
-    sub_mins = plane(in_dim // f.group) if has_minimums else None
-    d = plane(supers, np.float16)
-    dmin = plane(supers, np.float16) if f.minimums else None
+    out = empty(kind, out_dim, in_dim) if out is None else out
+    if out.kind != kind or out.tile != TILE or out.shape != (in_dim, out_dim) or not all(
+            a.flags.c_contiguous for a in jax.tree.leaves(out)):
+        raise ValueError(f"cannot repack a {kind} matrix [{out_dim}, {in_dim}] into {out.kind} {out.shape}")
     order = None if rows is None else np.ascontiguousarray(rows, np.int64)
 
     def address(a):
         return None if a is None else a.ctypes.data
 
-    status = function(KINDS.index(kind), address(blocks), out_dim, in_dim, address(order), address(codes),
-                      address(high), address(sub_scales), address(sub_mins), address(d), address(dmin))
+    status = function(KINDS.index(kind), address(blocks), out_dim, in_dim, address(order), address(out.codes),
+                      address(out.high), address(out.sub_scales), address(out.sub_mins), address(out.d),
+                      address(out.dmin))
     if status != 0:
         raise ValueError(f"kquant_repack refused a {kind} matrix [{out_dim}, {in_dim}]")
-    return KQuantTensor(codes, high, sub_scales, sub_mins, d, dmin, kind, tile=TILE)
+    return out
