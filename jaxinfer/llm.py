@@ -40,8 +40,9 @@ class LLM:
     speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see engine/spec/config.py),
     async_scheduling (None: on with a GPU, off on CPU; prepare step N + 1 on the host while step N runs,
     engine/engine.py),
-    background_compile (True: serve once the largest shape buckets are compiled and compile the
-    others on a thread; see wait_compiled),
+    background_compile (True: serve once the smallest shape buckets are compiled and compile the
+    others on a thread; programs stored by an earlier start load when a step first needs them;
+    see wait_compiled),
     enable_lora / max_loras / max_lora_rank (serve PEFT LoRA adapters: up to max_loras distinct adapters in
     one step, ranks up to max_lora_rank; requests pick theirs with `lora_request=`, see lora/).
 
@@ -205,7 +206,9 @@ class LLM:
 
     def wait_compiled(self) -> None:
         """Block until the engine's background warm-up has compiled every
-        program (the engine option background_compile): until then a step may
-        run in a larger bucket than its own, and compilation shares the CPU."""
+        program not stored by an earlier start (the engine option
+        background_compile): until then a step may run in a larger bucket
+        than its own, and compilation shares the CPU. Stored programs load
+        when a step first needs them."""
         self.engine.wait_compiled()
 

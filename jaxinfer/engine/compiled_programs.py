@@ -54,7 +54,7 @@ class CompiledPrograms:
         self._executables: dict = {}
         self.executable_cache = executable_cache
         self._cache_keys: dict = {}  # program -> its executable cache key (warmup)
-        self._stored_later: set = set()  # stored programs warm-up left to load later (_load_stored, the thread)
+        self._stored_later: set = set()  # stored programs warm-up left to load when a step needs them (_load_stored)
         self._loading = threading.Lock()  # one program loads at a time after warm-up
         self._ready_lock = threading.Lock()
         self._ready_changed = threading.Condition(self._ready_lock)  # a step waiting in bucket() for the thread
@@ -165,12 +165,14 @@ class CompiledPrograms:
         work).
 
         Programs in the executable cache are loaded, not compiled. With
-        background and every program stored, none is loaded before serving:
-        bucket() loads a step's own bucket the first time it runs, and the
-        thread loads the rest, so a warm start serves its first request
-        after loading a handful of programs instead of all of them. Else the
-        first buckets' programs load (or compile) before serving, and the
-        other stored ones load on the thread ahead of its compilations.
+        background and every program stored, none is loaded before serving;
+        else the first buckets' programs load (or compile) before serving.
+        Either way the other stored ones stay on disk until a step needs
+        them: bucket() loads a step's own bucket the first time it runs (tens
+        of milliseconds), so a warm start serves its first request after
+        loading a handful of programs, and holds only those its steps ran
+        (each loaded program is resident code: all of a 0.47B model's took
+        ~90 MB, a sixth of its memory).
         A program not stored is lowered (traced) just before it compiles,
         and compiles on other threads while the next is lowered: before
         serving, only the first buckets' programs (here, on the calling
@@ -196,7 +198,7 @@ class CompiledPrograms:
             now = set(calls) if not background else set() if stored == set(calls) else set(self._programs_of(first))
             self._stored_later = stored - now
             self._load({p: self._cache_keys[p] for p in calls if p in now})
-        stored_later = list(self._stored_later)  # loaded on the background thread, or by bucket() when a step needs them
+        stored_later = list(self._stored_later)  # loaded by bucket() when a step needs them
         # The programs to compile, in order (stored ones are loaded instead);
         # with background, only the first buckets' before serving.
         to_compile = {p: calls[p] for p in self._programs_of(first + rest)
@@ -212,8 +214,8 @@ class CompiledPrograms:
         if background and rest:
             if to_compile:  # before the engine serves: its first step already takes turns (tracing_turns.py)
                 TRACING_TURNS.lowering_started()
-            self._coming = set(to_compile) | set(stored_later)
-            self._background = _BackgroundCompile(self, rest, to_compile, stored_later)
+            self._coming = set(to_compile)
+            self._background = _BackgroundCompile(self, rest, to_compile)
 
     def _load_stored(self, bucket: tuple) -> bool:
         """Load `bucket`'s programs from the executable cache now, where every
@@ -262,8 +264,15 @@ class CompiledPrograms:
         """(jitted program, placeholder arguments of the program's shapes, static arguments): the subclass's."""
         raise NotImplementedError
 
+    @property
+    def num_pending(self) -> int:
+        """Programs neither compiled (or loaded) yet nor stored to load when
+        a step needs them: what the background thread has left to compile."""
+        return len([p for p in self.programs() if p not in self._executables and p not in self._stored_later])
+
     def wait_compiled(self) -> None:
-        """Block until a background warm-up has compiled every program."""
+        """Block until a background warm-up has compiled every program that is
+        not stored (stored ones load when a step needs them)."""
         if self._background is not None:
             self._background.join()
 
@@ -355,20 +364,16 @@ class _BackgroundCompile:
 
     _running: weakref.WeakSet = weakref.WeakSet()
 
-    def __init__(self, programs: CompiledPrograms, buckets: list[tuple], calls: dict, stored: list):
+    def __init__(self, programs: CompiledPrograms, buckets: list[tuple], calls: dict):
         self._stop = threading.Event()
         self.running = True  # until _main returns: a step waiting in bucket() waits no longer after
-        self._thread = threading.Thread(target=self._main, args=(programs, buckets, calls, stored),
+        self._thread = threading.Thread(target=self._main, args=(programs, buckets, calls),
                                         name="jaxinfer-compile", daemon=True)
         _BackgroundCompile._running.add(self)
         self._thread.start()
 
-    def _main(self, programs: CompiledPrograms, buckets: list[tuple], calls: dict, stored: list) -> None:
+    def _main(self, programs: CompiledPrograms, buckets: list[tuple], calls: dict) -> None:
         try:
-            for program in stored:
-                if self._stop.is_set():
-                    return
-                programs._load_one(program)
             programs._compile(buckets, calls, stop=self._stop)
         except Exception:  # a step no compiled bucket holds is compiled where it runs (an error)
             log.exception("background compilation failed; steps keep running in the buckets compiled so far")

@@ -456,7 +456,7 @@ class LLMEngine:
             "num_requests_waiting": waiting,
             "num_compilations": self.runner.num_compilations + self.proposer.num_compilations,
             # Programs a background warm-up has yet to compile (0 once done).
-            "num_programs_compiling": len(self.runner.programs()) - self.runner.num_compilations,
+            "num_programs_compiling": self.runner.num_pending,
             "kv_blocks_total": bm.num_usable_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "max_context_len": self.max_context_len,
