@@ -142,7 +142,7 @@ def test_device_mask_equals_numpy_application(llm):
 
     runner = llm.engine.runner
     meta = SamplingMetadata.from_params([SamplingParams(temperature=0.0)] * rows, [0] * rows, [0] * rows, rows)
-    sampled, _ = runner._sample(logits, meta, None, False, runner._sampler_work([]), (bitmask, constrained))
+    sampled, _ = runner._sample(logits, meta, None, False, runner._sampler_work([], False), (bitmask, constrained))
     tokens = sampled.token_ids
     np.testing.assert_array_equal(np.asarray(tokens), expected.argmax(axis=-1))
 
