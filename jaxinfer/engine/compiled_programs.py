@@ -218,13 +218,13 @@ class CompiledPrograms:
             self._background = _BackgroundCompile(self, rest, to_compile)
 
     def _load_stored(self, bucket: tuple) -> bool:
-        """Load `bucket`'s programs from the executable cache now, where every
-        one missing is stored there (a warm start whose background thread
-        has not reached them yet); whether the bucket is then ready. Tens of
-        milliseconds a program, where padding a short prompt into the
-        largest bucket cost a step of the largest size (and its buffers:
-        ~200 MB of temporaries for 256 tokens of a 0.5B model)."""
-        missing = [p for p in self.bucket_programs(bucket) if p not in self._executables]
+        """Load `bucket`'s serving programs from the executable cache now,
+        where every one missing is stored there (a warm start); whether the
+        bucket is then ready. Tens of milliseconds a program, where padding a
+        short prompt into the largest bucket cost a step of the largest size
+        (and its buffers: ~200 MB of temporaries for 256 tokens of a 0.5B
+        model). Its other samplers load when a step first runs them (_executable)."""
+        missing = [p for p in self.serving_programs(bucket) if p not in self._executables]
         if not all(p in self._stored_later or p in self._executables for p in missing) or not all(
                 self._load_one(p) for p in missing):
             return False
@@ -336,6 +336,8 @@ class CompiledPrograms:
         """`program`'s executable. One missing after warm-up is a shape that
         escaped bucketing: it is compiled here, counted and logged as an error."""
         executable = self._executables.get(program)
+        if executable is None and program in self._stored_later and self._load_one(program):
+            executable = self._executables[program]
         if executable is None and program in self._coming:  # the background thread is making it
             with TRACING_TURNS.given_up(), self._ready_changed:
                 while program not in self._executables and self._background.running:

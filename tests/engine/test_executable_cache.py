@@ -30,17 +30,21 @@ llm = start()
 prompts = json.loads(sys.argv[2])
 outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
 runner = llm.engine.runner
-print("RESULT " + json.dumps({"loaded": runner.num_loaded, "programs": len(runner.programs()),
-                              "tokens": [o.outputs[0].token_ids for o in outs]}))
+result = {"loaded": runner.num_loaded, "programs": len(runner.programs()),
+          "tokens": [o.outputs[0].token_ids for o in outs]}
+# Then one request that samples (seeded): its sampler is not among those that serve first.
+sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True)
+result["sampled"] = llm.generate(prompts[:1], sampled, use_tqdm=False)[0].outputs[0].token_ids
+print("RESULT " + json.dumps(result))
 """
 # The same with background compilation (the default): what warm-up had loaded
 # when LLM() returned, and what after the background thread finished.
-# "ran": the programs of the buckets its steps ran in (loaded or compiled).
+# "ran": the programs its steps ran (the serving ones of the buckets they ran in).
 CHILD_BACKGROUND = CHILD.replace("background_compile=False", "background_compile=True").replace(
     "llm = start()", "llm = start()\nloaded_at_start = llm.engine.runner.num_loaded_before_serving").replace(
-    "print(", "llm.wait_compiled()\nprint(").replace(
+    "result = {", "llm.wait_compiled()\nresult = {").replace(
     '{"loaded"', '{"loaded_at_start": loaded_at_start, "compiling": llm.stats()["num_programs_compiling"], '
-    '"ran": len({p for b in runner._ready for p in runner.bucket_programs(b)}), "loaded"')
+    '"ran": len({p for b in runner._ready for p in runner.serving_programs(b)}), "loaded"')
 # The same, with an engine started (and its programs stored) first in the same process.
 CHILD_SECOND_START = CHILD.replace("llm = start()", "del start().engine\nllm = start()")
 
@@ -117,7 +121,8 @@ def test_a_warm_start_loads_programs_as_steps_need_them(tiny, tmp_path):
     """With background compilation and every program stored, warm-up loads
     none before LLM() returns; each step's own bucket is loaded when it
     first runs and the others stay on disk (none is compiled or lowered
-    again, and none is resident that no step ran); the tokens are HF's."""
+    again, and none is resident that no step ran); the tokens are HF's, and
+    a sampling request's, whose sampler loads when it comes, the cold start's."""
     hf_model, model_dir = tiny
     prompts = [np.random.default_rng(2).integers(0, 128, 6).tolist()]
     expected = [hf_greedy(hf_model, p, 10) for p in prompts]
@@ -128,3 +133,4 @@ def test_a_warm_start_loads_programs_as_steps_need_them(tiny, tmp_path):
     assert second["loaded"] == second["ran"] < second["programs"] == first["programs"]
     assert second["compiling"] == 0
     assert second["tokens"] == expected
+    assert second["sampled"] == first["sampled"]  # its sampler loaded when the request needed it
