@@ -62,7 +62,7 @@ class CompiledPrograms:
         self.num_loaded_before_serving = 0  # of which warm-up loaded before returning
         self._ready: frozenset = frozenset()
         self._background: _BackgroundCompile | None = None
-        self._coming: set = set()  # programs the background thread compiles or loads (warmup)
+        self._coming: set = set()  # programs the background thread compiles (warmup)
         self.warmed_up = False
         # The sample programs of each size: the conditional one (and, plain,
         # the greedy one, runner.py's _sampler_work), or one per combination
@@ -171,8 +171,7 @@ class CompiledPrograms:
         them: bucket() loads a step's own bucket the first time it runs (tens
         of milliseconds), so a warm start serves its first request after
         loading a handful of programs, and holds only those its steps ran
-        (each loaded program is resident code: all of a 0.47B model's took
-        ~90 MB, a sixth of its memory).
+        (each loaded program is resident code; BENCHMARKS.md, "Cold start").
         A program not stored is lowered (traced) just before it compiles,
         and compiles on other threads while the next is lowered: before
         serving, only the first buckets' programs (here, on the calling
@@ -333,8 +332,10 @@ class CompiledPrograms:
         return fn.lower(*jax.tree.map(_shape_of, args), **statics)
 
     def _executable(self, program: tuple, fn, args: tuple, statics: dict):
-        """`program`'s executable. One missing after warm-up is a shape that
-        escaped bucketing: it is compiled here, counted and logged as an error."""
+        """`program`'s executable: loaded here if stored and not yet loaded,
+        waited for if the background thread is compiling it. One missing
+        after warm-up is a shape that escaped bucketing: it is compiled here,
+        counted and logged as an error."""
         executable = self._executables.get(program)
         if executable is None and program in self._stored_later and self._load_one(program):
             executable = self._executables[program]

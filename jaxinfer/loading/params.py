@@ -482,7 +482,9 @@ def _build_params(config: ModelConfig, source: TensorSource, dtype: np.dtype, pr
         names = layer_names[key]
         per_layer = [next(results) for _ in names]
         if key in filled:
-            layers[key] = jax.device_put(filled[key][1]())  # aligned host memory: kept, not copied
+            stacked = filled[key][1]()
+            _check_shape(source, names[0], stacked.shape[1:], True, shape[1:])
+            layers[key] = jax.device_put(stacked)  # aligned host memory: kept, not copied
             bar.update(config.num_layers)
             continue
         if quantized(key):

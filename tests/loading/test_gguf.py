@@ -9,7 +9,7 @@ import pytest
 
 import jaxinfer
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
-from tests.gguf_writer import round_trip_hf_model, write_gguf
+from tests.gguf_writer import random_k_blocks, round_trip_hf_model, write_gguf
 from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model
 
 Q = gguf.GGMLQuantizationType
@@ -111,6 +111,18 @@ def test_wrong_shape_names_tensor_and_shapes(tmp_path):
     bad = {"blk.1.ffn_up.weight": (np.zeros((100, 64), np.float32), Q.F32)}
     path = write_gguf(hf_model, tmp_path / "m.gguf", tensor_type_override=bad)
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*\(100, 64\).*\(128, 64\)"):
+        jaxinfer.load(str(path), progress=False)
+
+
+def test_wrong_shape_of_k_quant_layers_names_tensor_and_shapes(tmp_path):
+    """The same check where every layer is a K-quant the CPU load repacks
+    straight into one stack."""
+    hf_model = make_hf_model("llama_kquant", seed=8)
+    rng = np.random.default_rng(0)
+    bad = {f"blk.{i}.ffn_up.weight": (random_k_blocks(rng, Q.Q4_K, 320, 256), Q.Q4_K)
+           for i in range(hf_model.config.num_hidden_layers)}
+    path = write_gguf(hf_model, tmp_path / "m.gguf", tensor_type_override=bad)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(320, 256\).*\(256, 256\)"):
         jaxinfer.load(str(path), progress=False)
 
 
