@@ -26,7 +26,7 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxinfer.engine.executable_cache import LOAD_THREADS, ExecutableCache
-from jaxinfer.engine.sampler import CONDITIONAL, GREEDY, SamplerWork
+from jaxinfer.engine.sampler import CONDITIONAL, SamplerWork, greedy_work
 from jaxinfer.engine.tracing_turns import TRACING_TURNS
 from jaxinfer.utils import bucket_size, powers_of_two
 
@@ -70,7 +70,8 @@ class CompiledPrograms:
         self._sampler_works = [CONDITIONAL] if backend.conditional_skips else [
             SamplerWork(conditional=False, draw=draw, filters=filters)
             for draw, filters in ((False, False), (True, False), (True, True))]
-        self._plain_sampler_works = [*self._sampler_works, *([GREEDY] if backend.conditional_skips else [])]
+        self.greedy_work = greedy_work(backend.conditional_skips)
+        self._plain_sampler_works = list(dict.fromkeys([*self._sampler_works, self.greedy_work]))
 
     # -- the bucket grid -----------------------------------------------------
     def buckets(self) -> list[tuple[int, int, str]]:
@@ -102,7 +103,7 @@ class CompiledPrograms:
         before its sampler is compiled waits for it (_executable). On a
         two-core CPU the first buckets serve ~2 s sooner: a full sampler
         compiles in ~0.7 s, the conditional one in ~0.5 s, the greedy one in 0.09 s."""
-        return [p for p in self.bucket_programs(bucket) if p[0] != "sample" or (not p[2] and p[3] == GREEDY)]
+        return [p for p in self.bucket_programs(bucket) if p[0] != "sample" or (not p[2] and p[3] == self.greedy_work)]
 
     def programs(self) -> list[tuple]:
         """Every program warm-up compiles."""

@@ -18,7 +18,7 @@ from jaxinfer.engine.compiled_programs import CompiledPrograms
 from jaxinfer.engine.executable_cache import ExecutableCache
 from jaxinfer.engine.inputs import StepInputs, build_inputs
 from jaxinfer.engine.programs import forward_step, sample_step, verify_step
-from jaxinfer.engine.sampler import CONDITIONAL, GREEDY, SamplerWork, SamplingMetadata, make_penalty_inputs, needed_work
+from jaxinfer.engine.sampler import CONDITIONAL, SamplerWork, SamplingMetadata, make_penalty_inputs, needed_work
 from jaxinfer.engine.scheduler import ScheduledBatch
 from jaxinfer.engine.sequence import PLACEHOLDER, Sequence
 from jaxinfer.engine.token_rules import constrained_this_step, fill_step_masks
@@ -215,7 +215,7 @@ class ModelRunner(CompiledPrograms):
         work = needed_work([s.params for s in seqs], self.config.vocab_size)
         if not self.backend.conditional_skips:
             return work
-        return GREEDY if work == GREEDY and not full else CONDITIONAL
+        return self.greedy_work if not work.draw and not full else CONDITIONAL
 
     def _verify(self, logits, drafts, num_drafts, sampling):
         return self._run(("verify", drafts.shape[0], drafts.shape[1]),

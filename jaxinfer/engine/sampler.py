@@ -233,11 +233,16 @@ class SamplerWork:
 CONDITIONAL = SamplerWork()
 # Every piece, unconditionally: what a batch of unknown rows needs.
 BRANCH_FREE = SamplerWork(conditional=False)
-# No draw and no filters: what a batch of greedy rows needs (needed_work).
-# It compiles in a sixth of CONDITIONAL's time on CPU (0.09 vs 0.52 s at
-# 49k tokens), so the first buckets serve greedy requests with it while the
-# other samplers compile (engine/compiled_programs.py, serving_programs).
-GREEDY = SamplerWork(conditional=False, draw=False, filters=False)
+
+
+def greedy_work(conditional: bool) -> SamplerWork:
+    """No draw and no filters: what a batch of greedy rows needs
+    (needed_work's, conditional=False), the structured-output mask under a
+    lax.cond where `conditional`. It compiles in a sixth of CONDITIONAL's
+    time on CPU (0.09 against 0.52 s at 49k tokens), so the first buckets
+    serve greedy requests with it while the other samplers compile
+    (engine/compiled_programs.py, serving_programs)."""
+    return SamplerWork(conditional=conditional, draw=False, filters=False)
 
 
 def needed_work(params_list: Sequence[SamplingParams | None], vocab_size: int) -> SamplerWork:
@@ -249,12 +254,14 @@ def needed_work(params_list: Sequence[SamplingParams | None], vocab_size: int) -
 
 
 def _when(work: SamplerWork, include: bool, needed, fn, x):
-    """fn(x) for the rows that need it (fn leaves the others unchanged): under
-    a lax.cond skipped when `needed` is False, or, unconditionally, where the
-    program includes it."""
+    """fn(x) for the rows that need it (fn leaves the others unchanged) where
+    the program includes it: under a lax.cond skipped when `needed` is
+    False, or unconditionally."""
+    if not include:
+        return x
     if work.conditional:
         return lax.cond(needed, fn, lambda x: x, x)
-    return fn(x) if include else x
+    return fn(x)
 
 
 def filter_logits(x: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
