@@ -12,7 +12,8 @@ Work that only some rows need (the top-k and top-p searches, the draw of
 sampled rows, the structured-output mask) is per-row selects, so rows that
 do not need it come out unchanged either way. `SamplerWork` says how a
 program pays for it: CONDITIONAL (CPU) holds every piece, each under a
-lax.cond that skips it when no row needs it; otherwise (GPU: an XLA
+lax.cond that skips it when no row needs it (and a greedy batch runs
+greedy_work, which holds only the mask); otherwise (GPU: an XLA
 conditional copies its predicate to the host and waits for it, which stalls
 the stream the host is queueing work on and splits CUDA graphs) the host,
 which knows every row's parameters, picks a program that holds just the
@@ -220,10 +221,10 @@ def _top_p(x, top_p, use_p):
 @dataclasses.dataclass(frozen=True)
 class SamplerWork:
     """Which work only some rows need a sample program holds (a static
-    argument: one program per value). conditional: each piece under a
-    lax.cond that skips it when no row needs it; else `draw` (sampled rows'
-    draws) and `filters` (the top-k and top-p searches) say which pieces the
-    program computes, for every row."""
+    argument: one program per value): `draw` (sampled rows' draws) and
+    `filters` (the top-k and top-p searches) say which pieces it holds (the
+    structured-output mask it always holds); conditional: each piece under
+    a lax.cond that skips it when no row needs it, else computed for every row."""
 
     conditional: bool = True
     draw: bool = True
