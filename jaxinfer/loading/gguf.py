@@ -402,6 +402,12 @@ class GGUFTensors:
             return self._config.num_heads if "q_proj" in name else self._config.num_kv_heads
         return None
 
+    def _row_order(self, name: str, out_dim: int) -> np.ndarray | None:
+        """The file's row of each of the weight's out_dim rows in HF order
+        (llama's q / k un-permuted), or None where they are the same."""
+        heads = self._unpermute_heads(name)
+        return None if heads is None else unpermute_rows(np.arange(out_dim), heads)
+
     def get_quantized(self, name: str, k_quants_as_stored: bool = False,
                       tiled: bool = False) -> QuantizedTensor | KQuantTensor | None:
         """The tensor as a QuantizedTensor in params layout [in, out] (numpy
@@ -431,9 +437,8 @@ class GGUFTensors:
                                    first.scheme, first.group_size)
         if k_quants_as_stored and qtype in K_QUANT_KINDS:
             if tiled and kquant_repack.takes(out_dim, in_dim):
-                heads = self._unpermute_heads(name)
-                rows = None if heads is None else unpermute_rows(np.arange(out_dim), heads)
-                repacked = kquant_repack.repack(tensor.data, K_QUANT_KINDS[qtype], out_dim, in_dim, rows)
+                repacked = kquant_repack.repack(tensor.data, K_QUANT_KINDS[qtype], out_dim, in_dim,
+                                                self._row_order(name, out_dim))
                 if repacked is not None:
                     return repacked
             return blocks_to_kquant(tensor.data, qtype, out_dim, in_dim, self._unpermute_heads(name))
@@ -458,23 +463,19 @@ class GGUFTensors:
         in_dim, out_dim = (int(d) for d in tensors[0].shape)
         if any(tuple(t.shape) != tensors[0].shape for t in tensors) or not kquant_repack.takes(out_dim, in_dim):
             return None
-        order = list(dict.fromkeys(kinds))
-        index_in_part = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
+        order, part_of_layer, index_in_part = MixedStack.grouping(kinds)
         parts = [kquant_repack.empty(kind, out_dim, in_dim, layers=kinds.count(kind)) for kind in order]
-        heads = self._unpermute_heads(names[0])
-        rows = None if heads is None else unpermute_rows(np.arange(out_dim), heads)
+        rows = self._row_order(names[0], out_dim)
 
         def fill(i: int) -> None:
-            layer = jax.tree.map(lambda a: a[index_in_part[i]], parts[order.index(kinds[i])])
+            layer = jax.tree.map(lambda a: a[index_in_part[i]], parts[part_of_layer[i]])
             try:
                 kquant_repack.repack(tensors[i].data, kinds[i], out_dim, in_dim, rows, out=layer)
             finally:
                 self._reader.release(tensors[i].data)
 
         def stack():
-            if len(parts) == 1:
-                return parts[0]
-            return MixedStack(tuple(parts), tuple(order.index(kind) for kind in kinds), tuple(index_in_part))
+            return parts[0] if len(parts) == 1 else MixedStack(tuple(parts), part_of_layer, index_in_part)
 
         return [functools.partial(fill, i) for i in range(len(names))], stack
 

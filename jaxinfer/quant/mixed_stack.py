@@ -43,18 +43,19 @@ class MixedStack:
         each group stacked in layer order by stack(weights) (default:
         jnp.stack of each leaf)."""
         stack = stack or (lambda weights: jax.tree.map(lambda *leaves: jnp.stack(leaves), *weights))
-        formats: list = []
-        part_of_layer, index_in_part, members = [], [], {}
-        for w in per_layer:
-            key = format_of(w)
-            if key not in members:
-                formats.append(key)
-                members[key] = []
-            part_of_layer.append(formats.index(key))
-            index_in_part.append(len(members[key]))
-            members[key].append(w)
-        parts = tuple(stack(members[key]) for key in formats)
-        return cls(parts, tuple(part_of_layer), tuple(index_in_part))
+        formats, part_of_layer, index_in_part = cls.grouping([format_of(w) for w in per_layer])
+        parts = tuple(stack([w for w, part in zip(per_layer, part_of_layer) if part == i]) for i in range(len(formats)))
+        return cls(parts, part_of_layer, index_in_part)
+
+    @staticmethod
+    def grouping(formats_of_layers: list) -> tuple[list, tuple[int, ...], tuple[int, ...]]:
+        """(the distinct formats in the order of their first layers,
+        part_of_layer, index_in_part) of layers in `formats_of_layers`: where
+        each layer goes, for a loader that fills the parts in place."""
+        formats = list(dict.fromkeys(formats_of_layers))
+        part_of_layer = tuple(formats.index(f) for f in formats_of_layers)
+        index_in_part = tuple(formats_of_layers[:i].count(f) for i, f in enumerate(formats_of_layers))
+        return formats, part_of_layer, index_in_part
 
     @property
     def num_layers(self) -> int:
