@@ -270,6 +270,12 @@ class CompiledPrograms:
         a step needs them: what the background thread has left to compile."""
         return len([p for p in self.programs() if p not in self._executables and p not in self._stored_later])
 
+    @property
+    def compiling(self) -> bool:
+        """Whether the background thread is still compiling: it takes turns
+        with the steps for the cores (and the GIL while it lowers)."""
+        return self._background is not None and self._background.running
+
     def wait_compiled(self) -> None:
         """Block until a background warm-up has compiled every program that is
         not stored (stored ones load when a step needs them)."""

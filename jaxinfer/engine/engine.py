@@ -423,7 +423,8 @@ class LLMEngine:
     def _complete(self, batch: ScheduledBatch, launched: Launched, start: float) -> list[RequestOutput]:
         out = self.runner.complete(launched)
         outputs = self.output_processor.process(batch, out, self.requests)
-        self.proposer.after_step(batch, out, start)
+        # A step beside background compilation times the compilation too.
+        self.proposer.after_step(batch, out, None if self.runner.compiling else start)
         return outputs
 
     def outstanding_tokens(self) -> tuple[int, int]:

@@ -2,8 +2,8 @@
 told: it drafts while emitted * off > on, stops when drafting is slower,
 tries again so seldom that the tries cost under PROBE_OVERHEAD of the time,
 comes back on when the drafts start to hit, and times only steady decode
-steps. (That outputs never depend on it is
-test_speculative.py's test_adaptive_drafting_is_exact_and_turns_off.)"""
+steps past their first. (That outputs never depend on it is
+test_engine_speculative.py's test_adaptive_drafting_is_exact_and_turns_off.)"""
 
 from types import SimpleNamespace
 
@@ -76,6 +76,10 @@ def test_only_steady_decode_steps_are_timed():
     start = ScheduledBatch([None], [1], [10], [0])
     policy.record(start, SimpleNamespace(num_emitted=np.array([1])), True, 5.0)
     assert all(m.count == 0 for m in policy.step_seconds.values())
+    # Nor is a steady step the engine passes no time for (programs compiling
+    # beside it), nor the first timed one of its kind (a program's first run).
     steady = ScheduledBatch([None], [1 + K], [10], [K])
-    policy.record(steady, SimpleNamespace(num_emitted=np.array([3])), True, 2.0)
-    assert policy.step_seconds[(1, True)].value == 2.0 and policy.emitted.value == 3.0
+    for seconds in (None, 50.0, 2.0):
+        policy.record(steady, SimpleNamespace(num_emitted=np.array([3])), True, seconds)
+    assert policy.step_seconds[(1, True)].count == 1 and policy.step_seconds[(1, True)].value == 2.0
+    assert policy.emitted.count == 3 and policy.emitted.value == 3.0

@@ -14,7 +14,10 @@ decode batch size (power-of-two buckets, as the runner compiles them):
 and a step drafts when emitted * off(n) > on(n): more tokens per second with
 drafts than without. Only steady steps are timed (a step that verified and
 drafted, or did neither, with no prompt tokens in it): the first and last
-step of a drafting stretch carry half of each kind of work.
+step of a drafting stretch carry half of each kind of work. Nor are the
+first such step of each kind and bucket (its programs' first run pays
+one-time costs, several steps' worth on the CPU), nor steps run while
+programs compile in the background (the engine passes no time for them).
 
 While drafting does not pay, it is tried again for PROBE_STEPS steps, so
 that a change of text (a code request after chat, where n-gram drafts start
@@ -64,6 +67,7 @@ class DraftPolicy:
         self.emitted = _RunningMean()  # per sequence and verification
         self._since_probe: dict[int, int] = {}
         self._probe_left: dict[int, int] = {}
+        self._first_run_seen: set[tuple[int, bool]] = set()  # (bucket, drafting): first timed step dropped
 
     def should_draft(self, num_decoding: int) -> bool:
         """Whether the next step, with num_decoding sequences decoding, drafts."""
@@ -92,15 +96,19 @@ class DraftPolicy:
         loss = PROBE_STEPS * (on / off - self.emitted.value)
         return max(PROBE_STEPS, math.ceil(loss / PROBE_OVERHEAD))
 
-    def record(self, batch, out, drafted: bool, seconds: float) -> None:
+    def record(self, batch, out, drafted: bool, seconds: float | None) -> None:
         """A finished step: `batch` as scheduled, its StepOutput `out`, whether
-        drafts were proposed after it, and its wall time."""
+        drafts were proposed after it, and its wall time (None: not to be timed)."""
         for i, num_drafts in enumerate(batch.num_drafts):
             if num_drafts:
                 self.emitted.add(float(out.num_emitted[i]))
         decode_only = all(n == 1 + d for n, d in zip(batch.num_new_tokens, batch.num_drafts))
-        if decode_only and batch.verifies_drafts == drafted:
-            self._seconds(bucket_size(len(batch), 1), drafted).add(seconds)
+        if seconds is None or not decode_only or batch.verifies_drafts != drafted:
+            return
+        kind = (bucket_size(len(batch), 1), drafted)
+        if kind in self._first_run_seen:
+            self._seconds(*kind).add(seconds)
+        self._first_run_seen.add(kind)
 
     def _seconds(self, bucket: int, drafting: bool) -> _RunningMean:
         return self.step_seconds.setdefault((bucket, drafting), _RunningMean())

@@ -63,8 +63,9 @@ class Proposer:
         remaining = params.max_tokens - len(seq.output_token_ids)
         return max(0, min(self.k, remaining - 1, self.max_model_len - seq.num_tokens - 1))
 
-    def after_step(self, batch: ScheduledBatch, out, started: float) -> None:
-        """started: when the step began (time.perf_counter()), for the adaptive rule's timings."""
+    def after_step(self, batch: ScheduledBatch, out, started: float | None) -> None:
+        """started: when the step began (time.perf_counter()), for the adaptive
+        rule's timings; None when the step's time says nothing of its cost."""
         self.update(batch, out)
         # Finished sequences are gone; one that still owes prompt tokens does not decode next.
         decoding = [s for s in batch.sequences if not s.is_finished and s.num_computed_tokens == s.num_tokens - 1]
@@ -78,7 +79,7 @@ class Proposer:
                     seq.draft_token_ids = drafts
                     drafted = drafted or bool(drafts)
         if self.policy is not None:
-            self.policy.record(batch, out, drafted, time.perf_counter() - started)
+            self.policy.record(batch, out, drafted, None if started is None else time.perf_counter() - started)
 
     def propose(self, seqs: list[Sequence], caps: list[int]) -> list[list[int]]:
         raise NotImplementedError
