@@ -190,10 +190,8 @@ class KQuantTensor:
             return jnp.swapaxes(a, -3, -2).reshape(*a.shape[:-3], a.shape[-2], -1)
 
         def words_to_plane(tiles, bits, positions):
-            lines = tiles.reshape(*tiles.shape[:-2], -1, 4, self.tile // 4, 4)  # [..., tiles, words, q, 16, 4]
-            words = jax.lax.bitcast_convert_type(lines, jnp.uint32)  # [..., tiles, words, q, 16]
-            mask = jnp.uint32((1 << bits) - 1)
-            values = jnp.stack([(words >> jnp.uint32(int(pos))) & mask for pos in positions], axis=-3)
+            words = jax.lax.bitcast_convert_type(_lines(tiles), jnp.uint32)  # [..., tiles, words, q, 16]
+            values = _word_inputs(words, bits, positions, axis=-3)
             # [..., tiles, words, u, q, 16] -> [..., words, u, tiles, q, 16] -> [..., in, out]
             values = jnp.moveaxis(values, -5, -3)
             values = values.reshape(*values.shape[:-5], -1, values.shape[-3] * values.shape[-2] * values.shape[-1])
@@ -208,20 +206,50 @@ class KQuantTensor:
     def columns(self, indices) -> jax.Array:
         """Columns `indices` (int [...]) of a 2-D weight, dequantized: float32
         [..., in], the numbers `dequantize` gives them (a tied model's
-        embeddings taken from its head's blocks, with no float table). Tiled,
-        each column's tile of TILE columns is gathered and dequantized, then
-        the column picked: TILE times the column's work, still a few
-        milliseconds for a prompt's worth of tokens."""
+        embeddings taken from its head's blocks, with no float table). Only
+        the columns asked for are read and dequantized: a prompt's embedding
+        lookup, not its tiles (dequantizing each index's whole tile of 64
+        columns was 8% of a 512-token prefill step)."""
         if len(self.shape) != 2:
             raise ValueError(f"columns of a 2-D weight, not one of shape {self.shape}")
         indices = jnp.asarray(indices)
         flat = indices.reshape(-1)
-        if self.tile:  # every array [out // tile, rows, tile]: a weight of each index's tile, in order
-            tiles = jax.tree.map(lambda a: a[flat // self.tile], self)
-            picked = dequantize(tiles)[:, jnp.arange(flat.size) * self.tile + flat % self.tile].T
+        if self.tile:
+            picked = self._tile_columns(flat // self.tile, flat % self.tile)
         else:  # every array [rows, out]
-            picked = dequantize(jax.tree.map(lambda a: a[:, flat], self)).T
-        return picked.reshape(*indices.shape, self.in_features)
+            picked = jax.tree.map(lambda a: a[:, flat], self)
+        return dequantize(picked).T.reshape(*indices.shape, self.in_features)
+
+    def _tile_columns(self, tiles, columns) -> KQuantTensor:
+        """Column columns[i] of tile tiles[i] for each i, as a plain-layout
+        weight of that many columns (a tiled 2-D self)."""
+        f = self.format
+
+        def pick(a):  # [out // tile, rows, tile] -> [rows, n]
+            return None if a is None else a[tiles, :, columns].T
+
+        def pick_plane(plane, bits, positions):  # a code plane's words of each column -> plain [in * bits / 8, n]
+            word_bytes = _lines(plane)[tiles, :, columns // (TILE // 4), columns % (TILE // 4)]  # [n, words, 4]
+            values = _word_inputs(jax.lax.bitcast_convert_type(word_bytes, jnp.uint32), bits, positions, axis=-1)
+            return pack_bits(values.reshape(values.shape[0], -1).T, bits)  # [n, words, u] -> [in, n]
+
+        high = None if self.high is None else pick_plane(self.high, f.high_bits, _word_positions(f, True))
+        return dataclasses.replace(
+            self, codes=pick_plane(self.codes, f.low_bits, _word_positions(f, False)), high=high,
+            sub_scales=pick(self.sub_scales), sub_mins=pick(self.sub_mins), d=pick(self.d), dmin=pick(self.dmin),
+            tile=0)
+
+
+def _lines(plane):
+    """A tiled code plane uint8 [..., tiles, words * 4, TILE] as [..., tiles,
+    words, q, TILE / 4, 4]: the 4 bytes of word c of column 16q + d at [c, q, d]."""
+    return plane.reshape(*plane.shape[:-2], -1, 4, TILE // 4, 4)
+
+
+def _word_inputs(words, bits: int, positions: list[int], axis: int):
+    """The `bits`-bit inputs of uint32 words at their `positions`, stacked at `axis`."""
+    mask = jnp.uint32((1 << bits) - 1)
+    return jnp.stack([(words >> jnp.uint32(int(pos))) & mask for pos in positions], axis=axis)
 
 
 def _word_positions(f: KFormat, high: bool) -> list[int]:

@@ -302,10 +302,11 @@ def test_a_type_without_a_dequantizer_is_named(tmp_path, qtype):
 
 
 @pytest.mark.parametrize("tile", [0, 64])
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", K_QUANT_KINDS, ids=lambda q: q.name)
 def test_columns_are_gguf_values(qtype, tile):
     """KQuantTensor.columns (a tied model's embeddings from its head's
-    blocks): each column is gguf's dequantized row, plain or tiled."""
+    blocks): each column is gguf's dequantized row, plain or tiled (every
+    kind: each lays its high bits out in its own way)."""
     raw = random_k_blocks(np.random.default_rng(4), qtype, 128, 512)  # a [vocab 128, hidden 512] table
     table = gguf.quants.dequantize(raw, qtype)
     w = blocks_to_kquant(raw, qtype, 128, 512)
