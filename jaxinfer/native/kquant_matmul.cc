@@ -298,25 +298,33 @@ inline void GroupScales(const Tile& t, int64_t g, int k, __m512* scale, __m512* 
 }
 
 // result (16 * kVectors floats a row, rows [row0, row0 + kRows)) += group g's
-// dots acc, scaled, less the minimums times the group's sums of x. Vector v
-// is vector v % 4 of tile tiles[v / 4].
+// dots acc[.][v] of vector v, scaled, less the minimums times the group's
+// sums of x.
+template <int64_t kKind, int kRows, int kVectors>
+__attribute__((always_inline)) inline void FoldVector(const Problem& p, const __m512 (&acc)[kRows][kVectors], int v,
+                                                      __m512 scale, __m512 minimum, int64_t g, int64_t row0,
+                                                      const float* x_sums, float* result) {
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) {
+    float* out = result + (row0 + r) * 16 * kVectors + 16 * v;
+    __m512 sum = _mm512_fmadd_ps(scale, acc[r][v], _mm512_load_ps(out));
+    if constexpr (Format<kKind>::kMins != kNone) {
+      sum = _mm512_fnmadd_ps(minimum, _mm512_set1_ps(x_sums[(row0 + r) * p.groups + g]), sum);
+    }
+    _mm512_store_ps(out, sum);
+  }
+}
+
+// FoldVector for every vector; vector v is vector v % 4 of tile tiles[v / 4].
 template <int64_t kKind, int kRows, int kVectors>
 __attribute__((always_inline)) inline void FoldGroup(const Problem& p, const Tile* tiles,
                                                      const __m512 (&acc)[kRows][kVectors], int64_t g, int64_t row0,
                                                      const float* x_sums, float* result) {
 #pragma GCC unroll 16
   for (int v = 0; v < kVectors; ++v) {
-    __m512 scale, minimum;
+    __m512 scale, minimum = _mm512_setzero_ps();
     GroupScales<kKind>(tiles[v / 4], g, v % 4, &scale, &minimum);
-#pragma GCC unroll 16
-    for (int r = 0; r < kRows; ++r) {
-      float* out = result + (row0 + r) * 16 * kVectors + 16 * v;
-      __m512 sum = _mm512_fmadd_ps(scale, acc[r][v], _mm512_load_ps(out));
-      if constexpr (Format<kKind>::kMins != kNone) {
-        sum = _mm512_fnmadd_ps(minimum, _mm512_set1_ps(x_sums[(row0 + r) * p.groups + g]), sum);
-      }
-      _mm512_store_ps(out, sum);
-    }
+    FoldVector<kKind, kRows, kVectors>(p, acc, v, scale, minimum, g, row0, x_sums, result);
   }
 }
 
@@ -396,10 +404,18 @@ void FewRowsTask(const Problem& p, int64_t tile, int64_t g_begin, int64_t g_end,
   }
 }
 
-// Group g's codes of a tile as floats, w[i * 64 + c] (the many-row path's L1 buffer).
+// Group g's codes of a tile as floats, w[i * 64 + c], then its scales and
+// minimums (GroupScales), w[(group + 0 or 1) * 64 + c]: the many-row path's
+// L1 buffer, read by every row tile of the task.
 template <int64_t kKind>
 void GroupCodes(const Tile& t, int64_t g, float* w) {
   using F = Format<kKind>;
+  for (int k = 0; k < 4; ++k) {
+    __m512 scale, minimum = _mm512_setzero_ps();
+    GroupScales<kKind>(t, g, k, &scale, &minimum);
+    _mm512_store_ps(w + F::kGroup * kTileColumns + 16 * k, scale);
+    _mm512_store_ps(w + (F::kGroup + 1) * kTileColumns + 16 * k, minimum);
+  }
   constexpr int kRun = Run<kKind>::kRun;
   const __m512 low_table = LowTable<kKind>(), high_table = HighTable<kKind>();
   ForRunsOfGroup<kKind>([&](int64_t run, auto high_shift) __attribute__((always_inline)) {
@@ -432,10 +448,10 @@ __attribute__((always_inline)) inline void PrefetchGroup(const Tile& t, int64_t 
 }
 
 // Rows [row0, row0 + kRows) x the 64 columns of a tile, group g, from the
-// group's codes as floats (w): FewRowsGroup's operations in its order.
+// group's codes, scales and minimums as floats (w, GroupCodes):
+// FewRowsGroup's operations in its order.
 template <int64_t kKind, int kRows>
-void TileGroup(const Problem& p, const Tile& t, const float* w, int64_t g, int64_t row0, const float* x_sums,
-               float* result) {
+void TileGroup(const Problem& p, const float* w, int64_t g, int64_t row0, const float* x_sums, float* result) {
   using F = Format<kKind>;
   __m512 acc[kRows][4];
   for (int r = 0; r < kRows; ++r)
@@ -452,7 +468,11 @@ void TileGroup(const Problem& p, const Tile& t, const float* w, int64_t g, int64
       acc[r][3] = _mm512_fmadd_ps(w3, xi, acc[r][3]);
     }
   }
-  FoldGroup<kKind, kRows, 4>(p, &t, acc, g, row0, x_sums, result);
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; ++v) {
+    FoldVector<kKind, kRows, 4>(p, acc, v, _mm512_load_ps(w + F::kGroup * kTileColumns + 16 * v),
+                                _mm512_load_ps(w + (F::kGroup + 1) * kTileColumns + 16 * v), g, row0, x_sums, result);
+  }
 }
 
 // Rows [row_begin, row_end) x the 64 columns of tile `tile`, every group, in
@@ -462,7 +482,7 @@ template <int64_t kKind>
 void ManyRowsTask(const Problem& p, int64_t tile, int64_t row_begin, int64_t row_end, int64_t parts,
                   const float* x_sums) {
   using F = Format<kKind>;
-  alignas(64) float w[F::kGroup * kTileColumns];
+  alignas(64) float w[(F::kGroup + 2) * kTileColumns];  // GroupCodes
   alignas(64) float result[kMaxTaskRows * kTileColumns];
   float* base = result - row_begin * kTileColumns;  // indexed by absolute row
   const Tile t = TileOf(p, tile);
@@ -472,13 +492,13 @@ void ManyRowsTask(const Problem& p, int64_t tile, int64_t row_begin, int64_t row
       if (g + 1 < p.groups) PrefetchGroup<kKind>(t, g + 1);
       GroupCodes<kKind>(t, g, w);
       int64_t r = row_begin;
-      for (; r + kTileRows <= row_end; r += kTileRows) TileGroup<kKind, kTileRows>(p, t, w, g, r, x_sums, base);
+      for (; r + kTileRows <= row_end; r += kTileRows) TileGroup<kKind, kTileRows>(p, w, g, r, x_sums, base);
       switch (row_end - r) {
-        case 1: TileGroup<kKind, 1>(p, t, w, g, r, x_sums, base); break;
-        case 2: TileGroup<kKind, 2>(p, t, w, g, r, x_sums, base); break;
-        case 3: TileGroup<kKind, 3>(p, t, w, g, r, x_sums, base); break;
-        case 4: TileGroup<kKind, 4>(p, t, w, g, r, x_sums, base); break;
-        case 5: TileGroup<kKind, 5>(p, t, w, g, r, x_sums, base); break;
+        case 1: TileGroup<kKind, 1>(p, w, g, r, x_sums, base); break;
+        case 2: TileGroup<kKind, 2>(p, w, g, r, x_sums, base); break;
+        case 3: TileGroup<kKind, 3>(p, w, g, r, x_sums, base); break;
+        case 4: TileGroup<kKind, 4>(p, w, g, r, x_sums, base); break;
+        case 5: TileGroup<kKind, 5>(p, w, g, r, x_sums, base); break;
         default: break;
       }
     }
