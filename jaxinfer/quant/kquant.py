@@ -207,9 +207,8 @@ class KQuantTensor:
         """Columns `indices` (int [...]) of a 2-D weight, dequantized: float32
         [..., in], the numbers `dequantize` gives them (a tied model's
         embeddings taken from its head's blocks, with no float table). Only
-        the columns asked for are read and dequantized: a prompt's embedding
-        lookup, not its tiles (dequantizing each index's whole tile of 64
-        columns was 8% of a 512-token prefill step)."""
+        the columns asked for are read and dequantized: each index's whole
+        tile would be 64 times the work, 8% of a 512-token prefill step."""
         if len(self.shape) != 2:
             raise ValueError(f"columns of a 2-D weight, not one of shape {self.shape}")
         indices = jnp.asarray(indices)
