@@ -9,8 +9,8 @@ quant/linear.py is the XLA reference everything else falls back to.
     QuantizedTensor int8 / int4             matmul.cc up to max_exact_rows()
     KQuantTensor with activation_block      q8_matmul.cc's K-quant handler, any rows
     KQuantTensor                            kquant_matmul.cc up to KQUANT_MAX_ROWS
-    a MixedStack of K-quants                kquant_matmul.cc, as a KQuantTensor: the call
-                                            reads the part that holds the layer
+    a MixedStack of K-quants                either K-quant kernel, as a KQuantTensor: the
+                                            call reads the part that holds the layer
     another MixedStack's layer              its part's kernel, under a switch (LayerOf.apply)
     an InputOrdered's layer                 its weight's, on the activations gathered by its
                                             order first (models/llama.py, adapted_linears)
@@ -19,8 +19,8 @@ quant/linear.py is the XLA reference everything else falls back to.
   activation block where the int8-activation one does not, on the
   activations rounded to its blocks first: the same numbers. Weights of one
   layer on the same x (q, k and v; gate and up) share one call where one
-  exact kernel takes them all (no activation block; matmul.cc: one group
-  size, offsets on all or none).
+  kernel takes them all: either K-quant kernel; matmul.cc with no
+  activation block, one group size, offsets on all or none.
 
   a MoE's experts [layers, experts, in, out], only the selected ones read:
     float32                                 expert_matmul.cc
@@ -102,13 +102,15 @@ class WeightKernel:
         return [y.astype(x.dtype).reshape(*x.shape[:-1], w.out_features) for y, w in zip(ys, stacks)]
 
     def takes_together(self, stacks: list) -> bool:
-        return (self.together is not None and not any(_activation_block(w) for w in stacks)
+        # An exact kernel rounds x to one weight's activation blocks (__call__): none may have them.
+        return (self.together is not None and not (self.exact and any(_activation_block(w) for w in stacks))
                 and self.together(stacks))
 
 
 def _activation_block(w) -> int:
     """A stacked weight's activation block (0: float activations); a
-    MixedStack's kernel (kernel_for) takes parts without one only."""
+    MixedStack's 0: the exact kernel takes its parts only without one
+    (kernel_for)."""
     return 0 if isinstance(w, MixedStack) else w.activation_block
 
 
@@ -120,8 +122,8 @@ EXACT = WeightKernel("matmul.cc", matmul.available, matmul.quantized_matmuls, Tr
 Q8 = WeightKernel("q8_matmul.cc", matmul.q8_available, _one_at_a_time(matmul.q8_matmul), False, None)
 KQUANT = WeightKernel("kquant_matmul.cc", kquant_matmul.available, kquant_matmul.kquant_matmuls, True,
                       lambda stacks: True)
-KQUANT_Q8 = WeightKernel("q8_matmul.cc (K-quant)", kquant_matmul.q8_available,
-                         _one_at_a_time(kquant_matmul.q8_kquant_matmul), False, None)
+KQUANT_Q8 = WeightKernel("q8_matmul.cc (K-quant)", kquant_matmul.q8_available, kquant_matmul.q8_kquant_matmuls,
+                         False, lambda stacks: True)
 
 
 def kernel_for(rows: int, w) -> WeightKernel | None:
@@ -133,7 +135,8 @@ def kernel_for(rows: int, w) -> WeightKernel | None:
         # One call whatever the layer's part (no switch, and q|k|v share it):
         # where the exact K-quant kernel takes every part.
         exact = all(isinstance(p, KQuantTensor) and not p.activation_block for p in w.parts)
-        candidates = [(KQUANT, exact and rows <= KQUANT_MAX_ROWS and kquant_matmul.supports(w))]
+        candidates = [(KQUANT_Q8, kquant_matmul.supports_q8(w)),
+                      (KQUANT, exact and rows <= KQUANT_MAX_ROWS and kquant_matmul.supports(w))]
     elif isinstance(w, KQuantTensor):
         candidates = [(KQUANT_Q8, w.activation_block and kquant_matmul.supports_q8(w)),
                       (KQUANT, rows <= KQUANT_MAX_ROWS and kquant_matmul.supports(w))]

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -106,6 +107,51 @@ inline xla::ffi::Error DescribeLayer(const char* who, const xla::ffi::Buffer<xla
   p.d = halves(d) + layer * p.supers * area;
   p.dmin = has_dmin ? halves(dmin) + layer * p.supers * area : nullptr;
   *w = p;
+  return Error::Success();
+}
+
+
+constexpr int64_t kBuffersPerStack = 6;  // codes, high, sub_scales, sub_mins, d, dmin
+
+// The weights of one call (both kernels take several on the same x: a
+// layer's q, k and v): each weight one or more stacks (a MixedStack's parts,
+// quant/mixed_stack.py), each stack kBuffersPerStack arrays, a kind and a
+// layer index, -1 in the stacks that do not hold the weight's layer. Calls
+// describe(j, layer, kind, arrays, out) for each weight j with the stack
+// that holds its layer; the first error ends the loop.
+template <typename Describe>
+xla::ffi::Error ForEachWeight(const char* who, const xla::ffi::Buffer<xla::ffi::S32>& layers,
+                              xla::ffi::RemainingArgs& weights, xla::ffi::RemainingRets& outs,
+                              xla::ffi::Span<const int64_t> kinds, xla::ffi::Span<const int64_t> stacks,
+                              Describe&& describe) {
+  using xla::ffi::Error;
+  const int64_t count = static_cast<int64_t>(outs.size());
+  const int64_t num_stacks = static_cast<int64_t>(kinds.size());
+  int64_t stacks_given = 0;
+  for (int64_t n : stacks) stacks_given += n < 1 ? num_stacks + 1 : n;
+  if (count == 0 || static_cast<int64_t>(stacks.size()) != count || stacks_given != num_stacks ||
+      static_cast<int64_t>(weights.size()) != kBuffersPerStack * num_stacks ||
+      static_cast<int64_t>(layers.element_count()) != num_stacks) {
+    return Error::InvalidArgument(std::string(who) +
+                                  ": give each output one or more stacks, each with six arrays, a kind and a layer");
+  }
+  for (int64_t j = 0, first = 0; j < count; first += stacks[j], ++j) {
+    int64_t stack = -1;  // the weight's stack that holds its layer
+    for (int64_t k = first; k < first + stacks[j]; ++k) {
+      if (layers.typed_data()[k] >= 0) stack = k;
+    }
+    if (stack < 0) return Error::InvalidArgument(std::string(who) + ": no stack of a weight holds its layer");
+    std::vector<xla::ffi::AnyBuffer> arrays;  // (no default constructor: no array)
+    for (int64_t a = 0; a < kBuffersPerStack; ++a) {
+      auto buffer = weights.get<xla::ffi::AnyBuffer>(kBuffersPerStack * stack + a);
+      if (buffer.has_error()) return buffer.error();
+      arrays.push_back(buffer.value());
+    }
+    auto out = outs.get<xla::ffi::Buffer<xla::ffi::F32>>(j);
+    if (out.has_error()) return out.error();
+    Error error = describe(j, layers.typed_data()[stack], kinds[stack], arrays.data(), out.value()->typed_data());
+    if (error.failure()) return error;
+  }
   return Error::Success();
 }
 

@@ -623,45 +623,22 @@ ffi::Error Describe(const ffi::Buffer<ffi::F32>& x, int64_t layer, int64_t kind,
   return error;
 }
 
-constexpr int64_t kBuffersPerWeight = 6;
-
 // x times one layer of each of several weights, in one parallel loop (the
 // weights' tasks one after another, in the order of their memory).
 ffi::Error KQuantMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layers,
                              ffi::RemainingArgs weights, ffi::RemainingRets outs, ffi::Span<const int64_t> kinds,
                              ffi::Span<const int64_t> stacks) {
-  const int64_t count = static_cast<int64_t>(outs.size());
-  const int64_t num_stacks = static_cast<int64_t>(kinds.size());
-  int64_t stacks_given = 0;
-  for (int64_t n : stacks) stacks_given += n < 1 ? num_stacks + 1 : n;
-  if (count == 0 || static_cast<int64_t>(stacks.size()) != count || stacks_given != num_stacks ||
-      static_cast<int64_t>(weights.size()) != kBuffersPerWeight * num_stacks ||
-      static_cast<int64_t>(layers.element_count()) != num_stacks) {
-    return ffi::Error::InvalidArgument(
-        "k-quant matmul: give each output one or more stacks, each with six arrays, a kind and a layer");
-  }
   const int64_t workers = jaxinfer::NumWorkers(thread_pool);
   std::vector<std::unique_ptr<Plan>> plans;
-  for (int64_t j = 0, first = 0; j < count; first += stacks[j], ++j) {
-    int64_t stack = -1;  // the weight's stack that holds its layer
-    for (int64_t k = first; k < first + stacks[j]; ++k) {
-      if (layers.typed_data()[k] >= 0) stack = k;
-    }
-    if (stack < 0) return ffi::Error::InvalidArgument("k-quant matmul: no stack of a weight holds its layer");
-    std::vector<ffi::AnyBuffer> arrays;
-    for (int64_t a = 0; a < kBuffersPerWeight; ++a) {
-      auto buffer = weights.get<ffi::AnyBuffer>(kBuffersPerWeight * stack + a);
-      if (buffer.has_error()) return buffer.error();
-      arrays.push_back(buffer.value());
-    }
-    auto out = outs.get<ffi::Buffer<ffi::F32>>(j);
-    if (out.has_error()) return out.error();
-    plans.push_back(std::make_unique<Plan>());
-    ffi::Error error = Describe(x, layers.typed_data()[stack], kinds[stack], arrays[0], arrays[1], arrays[2],
-                                arrays[3], arrays[4], arrays[5], out.value()->typed_data(), &plans.back()->p);
-    if (error.failure()) return error;
-    PlanProduct(*plans.back(), workers);
-  }
+  ffi::Error error = jaxinfer::kquant::ForEachWeight(
+      "k-quant matmul", layers, weights, outs, kinds, stacks,
+      [&](int64_t, int64_t layer, int64_t kind, ffi::AnyBuffer* a, float* out) {
+        plans.push_back(std::make_unique<Plan>());
+        ffi::Error described = Describe(x, layer, kind, a[0], a[1], a[2], a[3], a[4], a[5], out, &plans.back()->p);
+        if (!described.failure()) PlanProduct(*plans.back(), workers);
+        return described;
+      });
+  if (error.failure()) return error;
   jaxinfer::RunPlans(thread_pool, plans);
   return ffi::Error::Success();
 }

@@ -28,7 +28,7 @@ from jaxinfer.quant.mixed_stack import MixedStack
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_kquant_matmul"
 Q8_SOURCE = Path(__file__).with_name("q8_matmul.cc")
-Q8_TARGET_NAME = "jaxinfer_q8_kquant_matmul"
+Q8_TARGET_NAME = "jaxinfer_q8_kquant_matmuls"
 KINDS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # kquant_matmul.cc's Kind
 TILE = 64  # columns per tile: the kernels read tiled weights only
 
@@ -40,7 +40,7 @@ def available() -> bool:
 
 def q8_available() -> bool:
     """Whether the int8-activation kernel is built and registered (AVX512-VNNI only)."""
-    return native_ffi_target(str(Q8_SOURCE), "JaxinferQ8KQuantMatmul", Q8_TARGET_NAME)
+    return native_ffi_target(str(Q8_SOURCE), "JaxinferQ8KQuantMatmuls", Q8_TARGET_NAME)
 
 
 def tileable(w: KQuantTensor) -> bool:
@@ -57,9 +57,11 @@ def supports(w: KQuantTensor | MixedStack) -> bool:
     return w.tile == TILE and w.codes.ndim in (3, 4)
 
 
-def supports_q8(w: KQuantTensor) -> bool:
+def supports_q8(w: KQuantTensor | MixedStack) -> bool:
     """Whether the int8-activation kernel takes w: as supports(), with an
-    activation block of one super-block."""
+    activation block of one super-block (every part's, for a MixedStack)."""
+    if isinstance(w, MixedStack):
+        return all(isinstance(p, KQuantTensor) and p.codes.ndim == 4 and supports_q8(p) for p in w.parts)
     return w.activation_block == SUPER_BLOCK and supports(w)
 
 
@@ -81,6 +83,21 @@ def kquant_matmuls(x, ws: list[KQuantTensor | MixedStack], layer_index=0) -> lis
     call, and the call can take the layer's other weights too."""
     if not available():
         raise RuntimeError("the CPU K-quant matmul kernel is not available here (see the warning above)")
+    return _call(TARGET_NAME, x, ws, layer_index)
+
+
+def q8_kquant_matmuls(x, ws: list[KQuantTensor | MixedStack], layer_index=0) -> list[jax.Array]:
+    """[int8_blocks(x, 256) [rows, in] @ layer `layer_index` of w for w in ws]
+    in one call, as kquant_matmuls (the kernel rounds x to int8 itself)."""
+    if not q8_available():
+        raise RuntimeError("the CPU int8-activation K-quant kernel is not available here (see the warning above)")
+    return _call(Q8_TARGET_NAME, x, ws, layer_index)
+
+
+def _call(target: str, x, ws: list, layer_index) -> list[jax.Array]:
+    """Both kernels' call: x, each stack's layer index (-1 in a MixedStack's
+    parts that do not hold it), each stack's six arrays, their kinds, and
+    each weight's number of stacks (kquant_layer.h, ForEachWeight)."""
     layer_index = jnp.asarray(layer_index, jnp.int32)
     stacks, layers = [], []
     for w in ws:
@@ -92,8 +109,7 @@ def kquant_matmuls(x, ws: list[KQuantTensor | MixedStack], layer_index=0) -> lis
         else:
             stacks.append(w)
             layers.append(layer_index)
-    call = jax.ffi.ffi_call(TARGET_NAME, [jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32)
-                                          for w in ws])
+    call = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32) for w in ws])
     return list(call(x.astype(jnp.float32), jnp.stack(layers), *[a for w in stacks for a in _arrays(w)],
                      kinds=np.array([KINDS.index(w.kind) for w in stacks], np.int64),
                      stacks=np.array([len(w.parts) if isinstance(w, MixedStack) else 1 for w in ws], np.int64)))
@@ -105,8 +121,4 @@ def kquant_matmul(x, w: KQuantTensor, layer_index=0) -> jax.Array:
 
 def q8_kquant_matmul(x, w: KQuantTensor, layer_index=0) -> jax.Array:
     """int8_blocks(x, w.activation_block) [rows, in] @ layer `layer_index` of w -> float32 [rows, out]."""
-    if not q8_available():
-        raise RuntimeError("the CPU int8-activation K-quant kernel is not available here (see the warning above)")
-    call = jax.ffi.ffi_call(Q8_TARGET_NAME, jax.ShapeDtypeStruct((x.shape[0], w.out_features), jnp.float32))
-    return call(x.astype(jnp.float32), jnp.asarray(layer_index, jnp.int32), *_arrays(w),
-                kind=np.int64(KINDS.index(w.kind)))
+    return q8_kquant_matmuls(x, [w], layer_index)[0]

@@ -43,6 +43,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "jaxinfer/native/kquant_layer.h"
@@ -602,20 +603,30 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
   for (int64_t r = 0; r < rows; ++r) std::copy_n(acc + r * kColumns, kColumns, p.out + (row0 + r) * p.out_features + tile * kColumns);
 }
 
-ffi::Error Q8KQuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                              ffi::AnyBuffer codes, ffi::AnyBuffer high, ffi::AnyBuffer sub_scales,
-                              ffi::AnyBuffer sub_mins, ffi::AnyBuffer d, ffi::AnyBuffer dmin,
-                              ffi::ResultBuffer<ffi::F32> out, int64_t kind) {
+// One weight's product on x's int8 blocks (RunPlans): its layer, the
+// activations as its kind reads them, and its tasks (row blocks x tiles).
+struct Plan {
   KProblem p;
-  ffi::Error error = jaxinfer::kquant::DescribeLayer("q8 k-quant matmul", x, layer.typed_data()[0], kind, codes, high,
-                                                     sub_scales, sub_mins, d, dmin, &p);
-  if (error.failure()) return error;
-  p.out = out->typed_data();
+  int64_t row_blocks = 0, num_tasks = 0;
+  void (*run)(Plan&, int64_t) = nullptr;
+  void Finish() {}
+};
+
+template <int64_t kKind>
+void RunColumnTask(Plan& plan, int64_t task) {
+  const int64_t row0 = (task % plan.row_blocks) * kRowBlock;
+  KQuantColumnTask<kKind>(plan.p, row0, std::min(kRowBlock, plan.p.rows - row0), task / plan.row_blocks);
+}
+
+// x rounded to int8 per super-block (llama.cpp's Q8_K), each group's sum of
+// codes and the codes in the order of p's kind (KQuantOrder), and the tasks.
+void PlanProduct(const float* x, Plan& plan) {
+  KProblem& p = plan.p;
   p.act.int4 = false;
   p.act.rows = p.rows;
   p.act.in = p.in;
-  p.act.block = kSuperBlock;  // one activation scale per super-block, as llama.cpp's Q8_K
-  QuantizeActivations(x.typed_data(), p.act);
+  p.act.block = kSuperBlock;
+  QuantizeActivations(x, p.act);
   p.group_code_sums.resize(p.rows * p.groups);
   for (int64_t r = 0; r < p.rows; ++r) {
     for (int64_t g = 0; g < p.groups; ++g) {
@@ -626,18 +637,37 @@ ffi::Error Q8KQuantMatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32>
     }
   }
   KQuantOrder(p.act.codes, p.shape.low);
-  const int64_t row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
-  jaxinfer::ParallelFor(thread_pool, row_blocks * p.Tiles(), [&p, row_blocks](int64_t task) {
-    const int64_t row0 = (task % row_blocks) * kRowBlock;
-    const int64_t rows = std::min(kRowBlock, p.rows - row0), tile = task / row_blocks;
-    switch (p.kind) {
-      case kQ2K: return KQuantColumnTask<kQ2K>(p, row0, rows, tile);
-      case kQ3K: return KQuantColumnTask<kQ3K>(p, row0, rows, tile);
-      case kQ4K: return KQuantColumnTask<kQ4K>(p, row0, rows, tile);
-      case kQ5K: return KQuantColumnTask<kQ5K>(p, row0, rows, tile);
-      default: return KQuantColumnTask<kQ6K>(p, row0, rows, tile);
-    }
-  });
+  plan.row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
+  plan.num_tasks = plan.row_blocks * p.Tiles();
+  switch (p.kind) {
+    case kQ2K: plan.run = RunColumnTask<kQ2K>; break;
+    case kQ3K: plan.run = RunColumnTask<kQ3K>; break;
+    case kQ4K: plan.run = RunColumnTask<kQ4K>; break;
+    case kQ5K: plan.run = RunColumnTask<kQ5K>; break;
+    default: plan.run = RunColumnTask<kQ6K>; break;
+  }
+}
+
+// x's int8 blocks times one layer of each of several weights (a layer's q, k
+// and v; a MixedStack's parts as kquant_layer.h's ForEachWeight says), in
+// one parallel loop.
+ffi::Error Q8KQuantMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layers,
+                               ffi::RemainingArgs weights, ffi::RemainingRets outs, ffi::Span<const int64_t> kinds,
+                               ffi::Span<const int64_t> stacks) {
+  std::vector<std::unique_ptr<Plan>> plans;
+  ffi::Error error = jaxinfer::kquant::ForEachWeight(
+      "q8 k-quant matmul", layers, weights, outs, kinds, stacks,
+      [&](int64_t, int64_t layer, int64_t kind, ffi::AnyBuffer* a, float* out) {
+        plans.push_back(std::make_unique<Plan>());
+        KProblem& p = plans.back()->p;
+        ffi::Error described = jaxinfer::kquant::DescribeLayer("q8 k-quant matmul", x, layer, kind, a[0], a[1],
+                                                               a[2], a[3], a[4], a[5], &p);
+        p.out = out;
+        if (!described.failure()) PlanProduct(x.typed_data(), *plans.back());
+        return described;
+      });
+  if (error.failure()) return error;
+  jaxinfer::RunPlans(thread_pool, plans);
   return ffi::Error::Success();
 }
 
@@ -658,16 +688,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8Matmul, Q8MatmulImpl,
                                   .Attr<bool>("has_offsets")
                                   .Attr<int64_t>("block"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8KQuantMatmul, kquant::Q8KQuantMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQ8KQuantMatmuls, kquant::Q8KQuantMatmulsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
-                                  .Arg<ffi::AnyBuffer>()         // codes
-                                  .Arg<ffi::AnyBuffer>()         // high
-                                  .Arg<ffi::AnyBuffer>()         // sub_scales
-                                  .Arg<ffi::AnyBuffer>()         // sub_mins
-                                  .Arg<ffi::AnyBuffer>()         // d
-                                  .Arg<ffi::AnyBuffer>()         // dmin
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Attr<int64_t>("kind"));
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layers
+                                  .RemainingArgs()               // six arrays of each stack
+                                  .RemainingRets()               // each weight's out
+                                  .Attr<ffi::Span<const int64_t>>("kinds")
+                                  .Attr<ffi::Span<const int64_t>>("stacks"));

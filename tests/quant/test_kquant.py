@@ -137,19 +137,29 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(qtype):
             np.testing.assert_array_equal(np.asarray(run(x[:rows], weight, 0)), alone[:rows])
 
 
-def test_several_kinds_in_one_call():
-    """A layer's q, k and v in one kernel call, each of its own kind: each
-    bit for bit its own call, and the CPU backend's linears makes one call."""
-    pairs = [stacked_weight(q, 2, 256, out, seed=s) for s, (q, out) in
-             enumerate([(Q.Q4_K, 256), (Q.Q3_K, 64), (Q.Q6_K, 64)])]
-    ws = [w for w, _ in pairs]
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 256)), jnp.float32)
-    together = jax.jit(kquant_matmul.kquant_matmuls)(x, ws, 1)
-    for y, w, (_, values) in zip(together, ws, pairs):
-        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(kquant_matmul.kquant_matmul)(x, w, 1)))
-        assert_matches(np.asarray(y), np.asarray(x, np.float64) @ values[1])
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["exact", "gguf-a8"])
+def test_several_kinds_in_one_call(int8_activations):
+    """A layer's q, k and v in one call of either kernel, each of its own
+    kind and v a MixedStack (layer 0 Q5_K, layer 1 Q2_K: the call reads the
+    part that holds the layer): each bit for bit its own call and its
+    float64 product, and the CPU backend's linears makes one call."""
+    block = 256 if int8_activations else 0
+    together_fn = kquant_matmul.q8_kquant_matmuls if int8_activations else kquant_matmul.kquant_matmuls
+    target = kquant_matmul.Q8_TARGET_NAME if int8_activations else kquant_matmul.TARGET_NAME
+    pairs = [stacked_weight(q, 2, 256, out, seed=s) for s, (q, out) in enumerate([(Q.Q4_K, 256), (Q.Q3_K, 64)])]
+    v0, v0_values = stacked_weight(Q.Q5_K, 1, 256, 64, seed=5)
+    v1, v1_values = stacked_weight(Q.Q2_K, 1, 256, 64, seed=6)
+    ws = [dataclasses.replace(w, activation_block=block) for w, _ in pairs]
+    ws.append(MixedStack(tuple(dataclasses.replace(p, activation_block=block) for p in (v0, v1)), (0, 1), (0, 0)))
+    values = [v for _, v in pairs] + [np.concatenate([v0_values, v1_values])]
+    x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
+    rounded = int8_blocks64(x, 256) if int8_activations else x.astype(np.float64)
+    together = jax.jit(together_fn)(x, ws, 1)
+    for y, w, v in zip(together, ws, values):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(together_fn)(x, [w], 1)[0]))
+        assert_matches(np.asarray(y), rounded @ v[1])
     fn = jax.jit(lambda x, ws, i: CPU.linears(x, [LayerOf(w, i) for w in ws]))
-    assert fn.lower(x, ws, jnp.int32(1)).as_text().count(f"custom_call @{kquant_matmul.TARGET_NAME}(") == 1
+    assert fn.lower(x, ws, jnp.int32(1)).as_text().count(f"custom_call @{target}(") == 1
 
 
 # A Q4_K_M-like mix, with Q3_K_M's and Q2_K's types too: every linear weight a
