@@ -2,7 +2,7 @@
 on CPU: kquant_matmul.cc, float32 activations, the weight's exact values,
 any number of rows; built with the machine's compiler on first use
 (native/build.py). The int8-activation path for the same weights ("gguf-a8")
-is q8_matmul.cc's second handler (q8_kquant_matmul).
+is q8_matmul.cc's second handler (q8_kquant_matmuls).
 
 Why native code: the XLA path (quant/linear.py) dequantizes the weight into a
 float32 copy on every call; the kernels read the codes and two-level scales
