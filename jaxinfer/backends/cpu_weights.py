@@ -133,7 +133,7 @@ def kernel_for(rows: int, w) -> WeightKernel | None:
         return None
     if isinstance(w, MixedStack):
         # One call whatever the layer's part (no switch, and q|k|v share it):
-        # where the exact K-quant kernel takes every part.
+        # where one K-quant kernel takes every part.
         exact = all(isinstance(p, KQuantTensor) and not p.activation_block for p in w.parts)
         candidates = [(KQUANT_Q8, kquant_matmul.supports_q8(w)),
                       (KQUANT, exact and rows <= KQUANT_MAX_ROWS and kquant_matmul.supports(w))]

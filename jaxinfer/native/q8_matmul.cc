@@ -456,10 +456,17 @@ using jaxinfer::kquant::kSuperBlock;
 using jaxinfer::kquant::Shape;
 using jaxinfer::kquant::ShapeOf;
 
+// x's int8 blocks as the kinds of one code width and group read them: the
+// codes (KQuantOrder), their scales and each row's sum over each group.
+struct KActivations {
+  Problem act;
+  std::vector<int32_t> group_code_sums;  // [rows, groups]
+  int low, group;
+};
+
 // One layer of a weight (kquant_layer.h) times x's int8 blocks into out.
 struct KProblem : jaxinfer::kquant::Layer {
-  Problem act;  // the quantized activations (codes in input order, scales and sums per group)
-  std::vector<int32_t> group_code_sums;  // [rows, groups]: each row's sum of xq over each group
+  std::shared_ptr<const KActivations> xq;  // shared by a call's weights whose kinds read them alike
   float* out;
 };
 
@@ -573,7 +580,7 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
         const int64_t g = sb * per_super + gi;
         const int32_t* x[2];
         for (int i = 0; i < pair; ++i)
-          x[i] = reinterpret_cast<const int32_t*>(p.act.codes.data() + (row0 + r + i) * p.in + g * s.group);
+          x[i] = reinterpret_cast<const int32_t*>(p.xq->act.codes.data() + (row0 + r + i) * p.in + g * s.group);
         __m512i dot[2][4];
         if (pair == 2) {
           BlockDots<false, 2>(x, weights + 4 * gi * quads, quads, dot);
@@ -581,7 +588,7 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
           BlockDots<false, 1>(x, weights + 4 * gi * quads, quads, dot);
         }
         for (int i = 0; i < pair; ++i) {
-          const int32_t code_sum = p.group_code_sums[(row0 + r + i) * p.groups + g];
+          const int32_t code_sum = p.xq->group_code_sums[(row0 + r + i) * p.groups + g];
           const __m512i bias = _mm512_set1_epi32(s.bias * code_sum), sum = _mm512_set1_epi32(code_sum);
           for (int k = 0; k < 4; ++k) {
             sums[i][k] = _mm512_add_epi32(sums[i][k], _mm512_mullo_epi32(scales[gi][k], _mm512_sub_epi32(dot[i][k], bias)));
@@ -590,7 +597,7 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
         }
       }
       for (int i = 0; i < pair; ++i) {
-        const __m512 dx = _mm512_set1_ps(p.act.x_scales[(row0 + r + i) * p.supers + sb]);
+        const __m512 dx = _mm512_set1_ps(p.xq->act.x_scales[(row0 + r + i) * p.supers + sb]);
         float* out = acc + (r + i) * kColumns;
         for (int k = 0; k < 4; ++k) {
           __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][k]), _mm512_mul_ps(d_s[k], dx), _mm512_loadu_ps(out + 16 * k));
@@ -619,24 +626,43 @@ void RunColumnTask(Plan& plan, int64_t task) {
 }
 
 // x rounded to int8 per super-block (llama.cpp's Q8_K), each group's sum of
-// codes and the codes in the order of p's kind (KQuantOrder), and the tasks.
-void PlanProduct(const float* x, Plan& plan) {
-  KProblem& p = plan.p;
-  p.act.int4 = false;
-  p.act.rows = p.rows;
-  p.act.in = p.in;
-  p.act.block = kSuperBlock;
-  QuantizeActivations(x, p.act);
-  p.group_code_sums.resize(p.rows * p.groups);
-  for (int64_t r = 0; r < p.rows; ++r) {
-    for (int64_t g = 0; g < p.groups; ++g) {
-      const int8_t* xq = p.act.codes.data() + r * p.in + g * p.shape.group;
+// codes and the codes in the order of a kind of `low` bits (KQuantOrder).
+std::shared_ptr<const KActivations> QuantizeFor(const float* x, int64_t rows, int64_t in, int low, int group) {
+  auto xq = std::make_shared<KActivations>();
+  xq->low = low;
+  xq->group = group;
+  Problem& act = xq->act;
+  act.int4 = false;
+  act.rows = rows;
+  act.in = in;
+  act.block = kSuperBlock;
+  QuantizeActivations(x, act);
+  const int64_t groups = in / group;
+  xq->group_code_sums.resize(rows * groups);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* codes = act.codes.data() + r * in + g * group;
       int32_t sum = 0;
-      for (int64_t i = 0; i < p.shape.group; ++i) sum += xq[i];
-      p.group_code_sums[r * p.groups + g] = sum;
+      for (int64_t i = 0; i < group; ++i) sum += codes[i];
+      xq->group_code_sums[r * groups + g] = sum;
     }
   }
-  KQuantOrder(p.act.codes, p.shape.low);
+  KQuantOrder(act.codes, low);
+  return xq;
+}
+
+// Plan's activations (those of an earlier plan of the call where its kind
+// reads them alike: q, k and v of one kind round x once) and its tasks.
+void PlanProduct(const float* x, Plan& plan, const std::vector<std::unique_ptr<Plan>>& plans) {
+  KProblem& p = plan.p;
+  for (const auto& other : plans) {
+    const auto& xq = other->p.xq;  // null for this plan and any that failed its check
+    if (xq && xq->low == p.shape.low && xq->group == p.shape.group) {
+      p.xq = xq;
+      break;
+    }
+  }
+  if (!p.xq) p.xq = QuantizeFor(x, p.rows, p.in, p.shape.low, p.shape.group);
   plan.row_blocks = (p.rows + kRowBlock - 1) / kRowBlock;
   plan.num_tasks = plan.row_blocks * p.Tiles();
   switch (p.kind) {
@@ -663,7 +689,7 @@ ffi::Error Q8KQuantMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32
         ffi::Error described = jaxinfer::kquant::DescribeLayer("q8 k-quant matmul", x, layer, kind, a[0], a[1],
                                                                a[2], a[3], a[4], a[5], &p);
         p.out = out;
-        if (!described.failure()) PlanProduct(x.typed_data(), *plans.back());
+        if (!described.failure()) PlanProduct(x.typed_data(), *plans.back(), plans);
         return described;
       });
   if (error.failure()) return error;
