@@ -85,7 +85,7 @@ def decode_step(llm, batch: int, context: int, lora_slots):
         engine.block_manager.allocate_prefix(seq_id, [])
         assert engine.block_manager.allocate(seq_id, context)
         tables.append(engine.block_manager.block_table(seq_id))
-        tokens.append(rng.integers(0, llm.model.config.vocab_size, context).tolist())
+        tokens.append(rng.integers(0, llm.model.config.vocab_size, 1).tolist())  # the one token the step computes
     inputs = runner.inputs(tokens, [context - 1] * batch, [1] * batch, tables, seq_lora_slots=lora_slots)
     num_seqs = len(inputs.attn_meta.context_lens)
     sampling = SamplingMetadata.from_params([None] * num_seqs, [0] * num_seqs, [0] * num_seqs, num_seqs)

@@ -97,7 +97,8 @@ def main() -> None:
         tables = [engine.block_manager.block_table(s.seq_id) for s in seqs]
         # Recompute each sequence's last cached token: its slot is allocated
         # (the newest token's is only allocated when the scheduler owes it).
-        inputs = runner.inputs([s.token_ids() for s in seqs], [s.num_computed_tokens - 1 for s in seqs],
+        inputs = runner.inputs([s.token_ids_between(s.num_computed_tokens - 1, s.num_computed_tokens) for s in seqs],
+                               [s.num_computed_tokens - 1 for s in seqs],
                                [1] * len(seqs), tables)
         num_seqs = len(inputs.attn_meta.context_lens)
 

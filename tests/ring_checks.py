@@ -90,7 +90,7 @@ def attention_group():
                     pool_k[layer, b, o], pool_v[layer, b, o] = k_all[i][pos], v_all[i][pos]
             num_tokens = 16 if layout == "mixed" else len(shapes)
             num_seqs = 8 if layout == "mixed" else len(shapes)
-            inputs = build_inputs([[0] * n for n in lengths], [c for c, _ in shapes], [n for _, n in shapes], tables,
+            inputs = build_inputs([[0] * n for _, n in shapes], [c for c, _ in shapes], [n for _, n in shapes], tables,
                                   num_tokens=num_tokens, num_seqs=num_seqs, layout=layout, block_size=block_size,
                                   max_blocks_per_seq=-(-80 // block_size))
             meta = inputs.attn_meta

@@ -382,7 +382,7 @@ class LLMEngine:
             now = time.perf_counter()
             for seq in batch.sequences:
                 seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-            tables = [self.block_manager.block_table(s.seq_id) for s in batch.sequences]
+            tables = [self.block_manager.block_table_array(s.seq_id) for s in batch.sequences]
             launched, outputs = self._guarded(batch, lambda: (batch, self.runner.launch(batch, tables)))
         if self._in_flight is not None:  # the previous step, behind which this one is queued
             in_flight, self._in_flight = self._in_flight, None

@@ -31,10 +31,12 @@ class StepInputs(NamedTuple):
     lora_slots: np.ndarray | None = None
 
 
-def build_inputs(token_ids: list[list[int]], num_computed: list[int], num_new: list[int],
-                 block_tables: list[list[int]], *, num_tokens: int, num_seqs: int, layout: str,
+def build_inputs(step_token_ids: list[list[int]], num_computed: list[int], num_new: list[int],
+                 block_tables: list, *, num_tokens: int, num_seqs: int, layout: str,
                  block_size: int, max_blocks_per_seq: int, seq_lora_slots: list[int] | None = None) -> StepInputs:
-    """token_ids[i]: sequence i's tokens (drafts included) as far as this step reaches.
+    """step_token_ids[i]: the num_new[i] tokens sequence i computes (drafts
+    included), not its whole context: the host builds them every step.
+    block_tables[i]: its block ids (an int32 array or a list).
     seq_lora_slots: sequence i's adapter slot (lora/slots.py), or None without LoRA."""
     rows_per_seq = num_tokens // num_seqs if layout == "verify" else None
     tokens = np.zeros(num_tokens, np.int32)
@@ -47,12 +49,12 @@ def build_inputs(token_ids: list[list[int]], num_computed: list[int], num_new: l
     query_start = np.zeros(num_seqs + 1, np.int32)
     lora_slots = None if seq_lora_slots is None else np.zeros(num_tokens, np.int32)
     start = 0
-    for i, (ids, first, new, table) in enumerate(zip(token_ids, num_computed, num_new, block_tables)):
+    for i, (ids, first, new, table) in enumerate(zip(step_token_ids, num_computed, num_new, block_tables)):
         rows = rows_per_seq or new
         table = np.asarray(table, np.int32)
         pos = np.arange(first, first + rows, dtype=np.int32)
         real = pos[:new]
-        tokens[start: start + new] = ids[first: first + new]
+        tokens[start: start + new] = ids
         positions[start: start + rows] = pos
         slots[start: start + new] = table[real // block_size] * block_size + real % block_size
         token_seq[start: start + rows] = i
@@ -63,7 +65,7 @@ def build_inputs(token_ids: list[list[int]], num_computed: list[int], num_new: l
             lora_slots[start: start + rows] = seq_lora_slots[i]
         start += rows
         query_start[i + 1] = start
-    query_start[len(token_ids) + 1:] = start  # padding sequences own no rows
+    query_start[len(step_token_ids) + 1:] = start  # padding sequences own no rows
     meta = PagedAttentionMetadata(slots, positions, token_seq, tables, context_lens, query_start)
     logits_indices = np.arange(num_tokens, dtype=np.int32) if rows_per_seq else last_rows
     return StepInputs(tokens, meta, logits_indices, layout, lora_slots)

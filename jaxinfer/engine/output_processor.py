@@ -83,7 +83,7 @@ class OutputProcessor:
             if not batch.expected:
                 seq.num_computed_tokens = valid
             if seq.status is SequenceStatus.RUNNING:  # not preempted while an async step ran
-                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids(), valid)
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.tokens, valid)
                 self.block_manager.trim(seq.seq_id, seq.num_tokens)
             if num_emitted:
                 touched[seq.request_id] = requests[seq.request_id]

@@ -137,12 +137,12 @@ class ModelRunner(CompiledPrograms):
 
         return replicate(tree, self.mesh)
 
-    def inputs(self, token_ids: list[list[int]], num_computed: list[int], num_new: list[int],
-               block_tables: list[list[int]], verify: bool = False, seq_lora_slots: list[int] | None = None
+    def inputs(self, step_token_ids: list[list[int]], num_computed: list[int], num_new: list[int],
+               block_tables: list, verify: bool = False, seq_lora_slots: list[int] | None = None
                ) -> StepInputs:
         """The bucketed inputs of a step (engine/inputs.py says what the lists hold)."""
         num_tokens, num_seqs, layout = self.bucket(sum(num_new), len(num_new), verify)
-        return build_inputs(token_ids, num_computed, num_new, block_tables, num_tokens=num_tokens,
+        return build_inputs(step_token_ids, num_computed, num_new, block_tables, num_tokens=num_tokens,
                             num_seqs=num_seqs, layout=layout, block_size=self.block_size,
                             max_blocks_per_seq=self.max_blocks_per_seq, seq_lora_slots=seq_lora_slots)
 
@@ -227,20 +227,21 @@ class ModelRunner(CompiledPrograms):
                                                                           mesh=self.mesh)
 
     # -- one engine step -----------------------------------------------------
-    def run(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepOutput:
+    def run(self, batch: ScheduledBatch, block_tables: list) -> StepOutput:
         """One step on the device: forward, then the sampler, or acceptance of
         the drafts and the sampler for the sequences that had none."""
         return self.complete(self.launch(batch, block_tables))
 
-    def launch(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> Launched:
+    def launch(self, batch: ScheduledBatch, block_tables: list) -> Launched:
         """Dispatch a step's programs without waiting for them (a verification
         step waits). A sequence's pending token (async scheduling,
         engine/sequence.py) is its sampled token of the last launched step,
         which the forward takes from that step's feed on the device."""
         seqs = batch.sequences
         verify = batch.verifies_drafts
-        inputs = self.inputs([s.token_ids() + s.draft_token_ids for s in seqs], batch.num_computed_tokens,
-                             batch.num_new_tokens, block_tables, verify,
+        step_tokens = [s.token_ids_between(first, first + new)
+                       for s, first, new in zip(seqs, batch.num_computed_tokens, batch.num_new_tokens)]
+        inputs = self.inputs(step_tokens, batch.num_computed_tokens, batch.num_new_tokens, block_tables, verify,
                              None if self.lora is None else [s.lora_slot for s in seqs])
         num_seqs = len(inputs.attn_meta.context_lens)
         sampling = SamplingMetadata.from_params(

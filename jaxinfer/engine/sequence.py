@@ -21,6 +21,7 @@ PLACEHOLDER. The output holds only tokens the host has seen.
 
 from __future__ import annotations
 
+import collections.abc
 import enum
 from dataclasses import dataclass, field
 
@@ -98,6 +99,45 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output.token_ids + [PLACEHOLDER] * self.num_pending
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """(token_ids() + draft_token_ids)[start:end] from only the parts it
+        spans: a step reads the few tokens it computes, where token_ids()
+        copies the whole context (every sequence, every step)."""
+        taken, offset = [], 0
+        for part in (self.prompt_token_ids, self.output.token_ids, [PLACEHOLDER] * self.num_pending,
+                     self.draft_token_ids):
+            if start < offset + len(part) and end > offset:
+                taken += part[max(start - offset, 0): end - offset]
+            offset += len(part)
+        return taken
+
+    @property
+    def tokens(self) -> "SequenceTokens":
+        """token_ids() read in place (len and slices), for the block manager."""
+        return SequenceTokens(self)
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+class SequenceTokens(collections.abc.Sequence):
+    """A sequence's token_ids() without the copy: its length and the slices
+    asked for (the prefix cache hashes each block once it fills)."""
+
+    __slots__ = ("_seq",)
+
+    def __init__(self, seq: Sequence):
+        self._seq = seq
+
+    def __len__(self) -> int:
+        return self._seq.num_tokens
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return self._seq.token_ids()[index]
+            return self._seq.token_ids_between(start, max(start, stop))
+        i = range(len(self))[index]  # a list's negative indices and IndexError
+        return self._seq.token_ids_between(i, i + 1)[0]

@@ -74,7 +74,7 @@ def device_step_ms(engine, batch: int, context: int = 192, iters: int = 30) -> f
     runner = engine.runner
     blocks_per_seq = -(-context // runner.block_size)
     tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)]
-    inputs = runner.inputs([[1] * context] * batch, [context - 1] * batch, [1] * batch, tables)
+    inputs = runner.inputs([[1]] * batch, [context - 1] * batch, [1] * batch, tables)
     num_seqs = len(inputs.attn_meta.context_lens)
     sampling = SamplingMetadata.from_params([None] * batch, [0] * batch, [0] * batch, num_seqs)
     masks = runner._no_mask(num_seqs)

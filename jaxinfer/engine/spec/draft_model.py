@@ -161,8 +161,8 @@ class DraftModelProposer(Proposer):
 
     def _step(self, batch: list[_Proposal], counts: list[int]) -> list[int]:
         tables = [self.block_manager.block_table(p.seq_id) for p in batch]
-        inputs = self.runner.inputs([p.tokens for p in batch], [p.num_computed_tokens for p in batch], counts,
-                                    tables)
+        inputs = self.runner.inputs([p.tokens[p.num_computed_tokens: p.num_computed_tokens + n] for p, n in zip(batch, counts)],
+                                    [p.num_computed_tokens for p in batch], counts, tables)
         start = time.perf_counter()
         logits, _ = self.runner.forward(inputs)
         tokens = np.asarray(_argmax_step(logits))
