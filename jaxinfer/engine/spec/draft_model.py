@@ -160,9 +160,9 @@ class DraftModelProposer(Proposer):
         return [p.drafts if p is not None else [] for p in proposals]
 
     def _step(self, batch: list[_Proposal], counts: list[int]) -> list[int]:
-        tables = [self.block_manager.block_table(p.seq_id) for p in batch]
-        inputs = self.runner.inputs([p.tokens[p.num_computed_tokens: p.num_computed_tokens + n] for p, n in zip(batch, counts)],
-                                    [p.num_computed_tokens for p in batch], counts, tables)
+        tables = [self.block_manager.block_table_array(p.seq_id) for p in batch]
+        step_tokens = [p.tokens[p.num_computed_tokens: p.num_computed_tokens + n] for p, n in zip(batch, counts)]
+        inputs = self.runner.inputs(step_tokens, [p.num_computed_tokens for p in batch], counts, tables)
         start = time.perf_counter()
         logits, _ = self.runner.forward(inputs)
         tokens = np.asarray(_argmax_step(logits))
