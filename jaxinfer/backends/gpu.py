@@ -62,8 +62,11 @@ FUSED_GROUPS = (("wq", "wk", "wv"), ("w_gate", "w_up"), ("shared_w_gate", "share
 def _on_one_device(w) -> bool:
     """Whether every array of w lives on one device: a weight split over a
     tensor-parallel mesh is split per weight along out (parallel/sharding.py),
-    which a concatenation of the whole weights would not keep."""
-    return all(not isinstance(a, jax.Array) or len(a.sharding.device_set) == 1 for a in jax.tree.leaves(w))
+    which a concatenation of the whole weights would not keep. A traced
+    weight (the layout computed from shapes under jax.eval_shape, as
+    scripts/gpu/deviceless.py does) is on no device yet: it counts as one."""
+    return all(not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer) or len(a.sharding.device_set) == 1
+               for a in jax.tree.leaves(w))
 
 
 def _form(w):

@@ -35,6 +35,10 @@ RUNS_COMPUTATIONS = frozenset({"call", "while", "conditional", "async-start"})
 PASS_THROUGH = frozenset({"bitcast", "reshape", "transpose", "convert", "copy", "get-tuple-element"})
 COPIES = frozenset({"copy", "copy-start", "concatenate"})
 
+# The decode attention's name scope (pallas_kernels/paged_decode_attention.py): its
+# kernel and the kernel merging its splits.
+DECODE_ATTENTION = "paged_decode_attention"
+
 BYTES_PER_ELEMENT = {"pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2,
                      "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
                      "c128": 16, "token": 0}
@@ -193,8 +197,26 @@ def kernel_counts(text: str) -> Counter:
 def kernels_per_layer(text: str, num_layers: int) -> float:
     """The kernels a compiled step launches (fusions, custom calls such as
     cuBLAS GEMMs and Pallas kernels, copies, ...), per model layer."""
+    return _total(kernel_counts(text)) / num_layers
+
+
+def _total(counts: Counter) -> int:
+    """The kernels of kernel_counts' counts (its per-opcode entries, not the per-target or per-kind ones)."""
+    return sum(n for op, n in counts.items() if " " not in op)
+
+
+def step_report(text: str, num_layers: int, attention_scope: str) -> dict:
+    """What a compiled step launches, as scripts/gpu/e2e.py and deviceless.py
+    report it: its kernels (in all, per layer, per opcode), the weights it
+    copies or concatenates, and the bytes the kernels under
+    `attention_scope` (an op_name scope) write."""
     counts = kernel_counts(text)
-    return sum(n for op, n in counts.items() if " " not in op) / num_layers
+    kernels = _total(counts)
+    copies = weight_copies(text)
+    attention_bytes, attention_kernels = bytes_written(text, attention_scope)
+    return {"kernels": kernels, "kernels_per_layer": kernels / num_layers, "kernel_counts": dict(counts.most_common()),
+            "weight_copies": len(copies), "weight_copy_lines": copies[:20],
+            "attention_bytes_written": attention_bytes, "attention_kernels": attention_kernels[:8]}
 
 
 def bytes_written(text: str, name_contains: str) -> tuple[int, list[str]]:

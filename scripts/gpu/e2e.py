@@ -46,11 +46,7 @@ from jaxinfer.benchmark import run_latency, run_throughput, synthetic_requests  
 from jaxinfer.engine.sampler import SamplingMetadata  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from compiled_hlo import bytes_written, kernel_counts, weight_copies  # noqa: E402
-
-# The decode attention kernel's name scope (pallas_kernels/paged_decode_attention.py): its
-# kernels and the merge of its splits.
-DECODE_ATTENTION = "paged_decode_attention"
+from compiled_hlo import DECODE_ATTENTION, step_report  # noqa: E402
 
 
 class _ReferenceLLM:
@@ -99,15 +95,9 @@ def compiled_step_report(engine, batch: int, num_layers: int, hlo_path: Path | N
     if hlo_path is not None:
         with gzip.open(hlo_path, "wt") as file:
             file.write(text)
-    counts = kernel_counts(text)
-    kernels = sum(n for op, n in counts.items() if " " not in op)
-    copies = weight_copies(text)
-    attention_bytes, attention_kernels = bytes_written(text, DECODE_ATTENTION)
     cost = runner._executables[program].cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return {"bucket": program[1], "kernels": kernels, "kernels_per_layer": kernels / num_layers,
-            "kernel_counts": dict(counts.most_common()), "weight_copies": len(copies), "weight_copy_lines": copies[:20],
-            "attention_bytes_written": attention_bytes, "attention_kernels": attention_kernels[:8],
+    return {"bucket": program[1], **step_report(text, num_layers, DECODE_ATTENTION),
             "xla_bytes_accessed": float((cost or {}).get("bytes accessed", -1))}
 
 

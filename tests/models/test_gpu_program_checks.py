@@ -107,3 +107,17 @@ def test_gpu_backend_turns_off_the_dot_merger():
     np.testing.assert_allclose(np.asarray(lowered.compile(options)(jnp.ones((4, 8)), jnp.ones((8, 2)))), 8.0)
     with pytest.raises(Exception, match="xla_gpu_dot_merger_threshold_mbs"):
         lowered.compile({"xla_gpu_dot_merger_threshold_mbs": 0})
+
+
+def test_layout_from_shapes_is_the_loaded_layout(decode_step):
+    """scripts/gpu/deviceless.py compiles the GPU backend's step from the
+    params' layout computed from the config's shapes alone: the same tree
+    (one array per layer, q|k|v and gate|up fused) with the same shapes
+    and dtypes as a checkpoint loaded for that backend."""
+    from scripts.gpu.deviceless import abstract_params
+
+    _, model = decode_step
+    loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.params)
+    computed = abstract_params(model.config, model.backend, jnp.float32, sharding=None)
+    assert jax.tree.structure(computed) == jax.tree.structure(loaded)
+    assert jax.tree.leaves(computed) == jax.tree.leaves(loaded)
