@@ -254,6 +254,15 @@ def write_kv(kv_cache, layer_index, k, v, slot_mapping):
     block_size = k_pool.shape[2]
     block, offset = slot_mapping // block_size, slot_mapping % block_size
     if not is_quantized(kv_cache):
+        if slot_mapping.shape[0] == 1:
+            # One row (a batch-1 decode step): XLA makes a one-index scatter a
+            # dynamic-update-slice guarded by a bounds check (read the old row,
+            # select, write: three kernels a pool on a GPU). The slot is in
+            # bounds (padding writes into the null block): write it directly.
+            at = (layer_index, block[0], offset[0], 0, 0)
+            k_pool = jax.lax.dynamic_update_slice(k_pool, k.astype(k_pool.dtype)[None, None], at)
+            v_pool = jax.lax.dynamic_update_slice(v_pool, v.astype(v_pool.dtype)[None, None], at)
+            return k_pool, v_pool
         k_pool = k_pool.at[layer_index, block, offset].set(k.astype(k_pool.dtype))
         v_pool = v_pool.at[layer_index, block, offset].set(v.astype(v_pool.dtype))
         return k_pool, v_pool
