@@ -46,10 +46,10 @@ Algorithm:
     materialized and no reshape happens in the kernel. The loop's trip count is
     dynamic, so it never visits a tile past the context or before the window.
   * With several splits each writes its normalized partial output and its
-    log-sum-exp, merged outside the kernel in jnp with a log-sum-exp merge
-    over the splits axis (an lse of -inf weighs 0), which gives [S, Q, H, D]
-    as it is. With one split the kernel writes the final output in q's dtype
-    and there is no merge.
+    log-sum-exp, merged by a second small kernel (merge_splits: a log-sum-exp
+    merge over the splits axis, an lse of -inf weighing 0) into [S, Q, H, D]
+    in q's dtype. With one split the kernel writes the final output in q's
+    dtype and there is no merge.
 
 NaN safety: cache slots past a context (and the null block, other layers) may
 hold anything, NaN included. K/V/scale loads are masked with other=0 for dead
@@ -291,16 +291,48 @@ def _single_split_kernel(kernel, *refs):
     kernel(*refs, None)
 
 
-def _merge_splits(partial_out, partial_lse):
-    """Log-sum-exp merge over axis 1 (splits) of [S, splits, Q, H, (D)];
-    splits and rows with no keys (lse = -inf) weigh 0 and an all-empty row
-    gives 0, never NaN."""
-    max_lse = partial_lse.max(axis=1, keepdims=True)
-    max_lse = jnp.where(max_lse == -jnp.inf, 0.0, max_lse)
-    weights = jnp.exp(partial_lse - max_lse)
-    total = weights.sum(axis=1)
-    merged = (partial_out * weights[..., None]).sum(axis=1)
-    return merged / jnp.where(total > 0.0, total, 1.0)[..., None]
+def _merge_kernel(out_ref, lse_ref, merged_ref, *, num_splits: int, num_heads: int):
+    """The merge of one (sequence, query, head)'s splits, written in the
+    output's dtype. In one kernel because XLA runs the same merge in jnp as
+    four (a max, two sums of different shapes, the division and cast): on a
+    GPU each is a launch per layer. The splits are padded to a power of two
+    in registers; the padding's indices are masked, never read."""
+    seq, row = pl.program_id(0), pl.program_id(1)
+    query, head = row // num_heads, row % num_heads
+    head_dim = out_ref.shape[-1]
+    split = jnp.arange(next_power_of_two(num_splits), dtype=jnp.int32)
+    live = split < num_splits
+    lse = plt.load(lse_ref.at[seq, split, query, head], mask=live, other=-jnp.inf)
+    max_lse = jnp.max(lse)
+    weights = jnp.exp(lse - jnp.where(max_lse == -jnp.inf, 0.0, max_lse))
+    total = jnp.sum(weights)
+    shape = (split.shape[0], head_dim)
+    features = jnp.arange(head_dim, dtype=jnp.int32)
+    parts = plt.load(
+        out_ref.at[seq, jnp.broadcast_to(split[:, None], shape), query, head, jnp.broadcast_to(features[None], shape)],
+        mask=jnp.broadcast_to(live[:, None], shape), other=0.0,
+    )
+    merged = jnp.sum(parts * weights[:, None], axis=0) / jnp.where(total > 0.0, total, 1.0)
+    plt.store(merged_ref.at[seq, query, head, features], merged.astype(merged_ref.dtype))
+
+
+def merge_splits(partial_out, partial_lse, dtype, interpret: bool = False):
+    """The log-sum-exp merge over axis 1 (splits) of the partial outputs
+    [S, splits, Q, H, D] by their log-sum-exps [S, splits, Q, H] -> [S, Q,
+    H, D] in `dtype`. Splits and rows with no keys (lse = -inf) weigh 0 and
+    an all-empty row gives 0, never NaN."""
+    num_seqs, num_splits, num_queries, num_heads, head_dim = partial_out.shape
+    whole = pl.BlockSpec()
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, num_splits=num_splits, num_heads=num_heads),
+        grid=(num_seqs, num_queries * num_heads),
+        in_specs=[whole, whole],
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((num_seqs, num_queries, num_heads, head_dim), dtype),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"paged_decode_attention_merge_splits{num_splits}",
+    )(partial_out, partial_lse)
 
 
 @functools.partial(
@@ -409,8 +441,7 @@ def paged_decode_attention(
         name=f"paged_decode_attention_bpt{blocks_per_tile}_splits{num_splits}",
     )(layer_index, context_lens, block_tables, q, k_pool, v_pool, k_scales, v_scales)
 
-    out = outputs[0] if num_splits == 1 else _merge_splits(*outputs)
-    return out.astype(q.dtype)
+    return outputs[0] if num_splits == 1 else merge_splits(*outputs, q.dtype, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window",))

@@ -18,6 +18,7 @@ from pallas_kernels.paged_decode_attention import (
     _TARGET_PROGRAMS,
     decode_tiling,
     default_num_splits,
+    merge_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
@@ -343,7 +344,8 @@ def decode_call_shape(num_seqs, num_kv_heads, group, head_dim, block_size, max_b
         jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
     )
     jaxpr = jax.make_jaxpr(lambda *a: paged_decode_attention(*a, interpret=True))(*args)
-    (call,) = pallas_calls(jaxpr.jaxpr)
+    # The attention kernel; with several splits a merge kernel follows it (test_merge_kernel_matches_float64).
+    call = next(pallas_calls(jaxpr.jaxpr))
     out_bytes = sum(v.aval.size * v.aval.dtype.itemsize for v in call.outvars)
     return tuple(call.params["grid_mapping"].grid), out_bytes
 
@@ -366,6 +368,29 @@ def test_grid_and_output_bytes_do_not_grow_with_the_table():
             assert out_bytes == num_seqs * 8 * num_splits * 4 * (128 + 1) * 4
     # Batch 1 with 8 KV heads: 32 splits and 0.5 MiB of partials, at any max_model_len.
     assert decode_call_shape(1, 8, 4, 128, 16, 8192) == ((1, 8, 32), 8 * 32 * 4 * 129 * 4)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 32])
+def test_merge_kernel_matches_float64(num_splits):
+    """The splits' merge kernel against the log-sum-exp merge in float64:
+    splits with no keys (lse -inf) weigh nothing, a row whose splits all
+    had none gives 0 (not NaN), a split count that is not a power of two
+    reads no padding, and the result comes out in the dtype asked for."""
+    rng = np.random.default_rng(num_splits)
+    shape = (3, num_splits, 2, 4)  # sequences, splits, queries, heads
+    out = rng.standard_normal((*shape, 16)).astype(np.float32)
+    lse = (rng.standard_normal(shape) * 20).astype(np.float32)  # spread wide: exp() needs the max shift
+    lse[rng.random(shape) < 0.3] = -np.inf
+    lse[0, :, 1, 2] = -np.inf  # a row with no keys anywhere
+    row_max = lse.astype(np.float64).max(1, keepdims=True)
+    weights = np.exp(lse - np.where(np.isfinite(row_max), row_max, 0.0))  # exp(-inf) = 0
+    total = weights.sum(1)
+    expected = (out * weights[..., None]).sum(1) / np.where(total > 0, total, 1)[..., None]
+    for dtype, tolerance in ((jnp.float32, 1e-6), (jnp.bfloat16, 8e-3)):
+        merged = merge_splits(jnp.asarray(out), jnp.asarray(lse), dtype, interpret=True)
+        assert merged.dtype == dtype and merged.shape == (3, 2, 4, 16)
+        np.testing.assert_allclose(np.asarray(merged.astype(jnp.float32)), expected, rtol=tolerance, atol=tolerance)
+    assert not np.asarray(merged[0, 1, 2]).any()
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "int8"),
