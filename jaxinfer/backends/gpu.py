@@ -20,7 +20,8 @@ a few rows.
                pallas_kernels/expert_matmul.py at decode sizes (each row
                reads its own expert only; XLA's ragged_dot reads them all); attention through the Pallas
                decode and prefill kernels (attention "pallas", the default
-               here: backends/attention.py); everything else XLA's.
+               here: backends/attention.py); a one-row RMSNorm through
+               pallas_kernels/rms_norm.py; everything else XLA's.
   settings     float32 dots at full precision unless TF32 is asked for
                (with_dtype), wide default batches, a small compile grid
                compiled 8 programs at a time, no lax.cond in the sampler,
@@ -30,6 +31,7 @@ a few rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar
 
@@ -229,6 +231,21 @@ class GpuBackend(XlaBackend):
             return [self.linear(x, w) for w in ws]
         y = self.linear(x, fused.weight)
         return jnp.split(y, np.cumsum(fused.sizes)[:-1].tolist(), axis=-1)
+
+    def rms_norm(self, x, weight, eps: float):
+        """One row (a batch-1 decode step) through the Pallas kernel
+        (pallas_kernels/rms_norm.py): XLA runs a single row's norm as two
+        kernels, several rows as one. Compiled for a GPU, in interpret mode
+        where this backend interprets Pallas; lowered for another platform
+        (a CPU test of this layout), XLA's own."""
+        if math.prod(x.shape[:-1]) != 1:
+            return super().rms_norm(x, weight, eps)
+        from pallas_kernels.rms_norm import rms_norm as pallas_rms_norm
+
+        if self.interpret:
+            return pallas_rms_norm(x, weight, eps, interpret=True)
+        return jax.lax.platform_dependent(x, weight, cuda=functools.partial(pallas_rms_norm, eps=eps),
+                                          default=functools.partial(super().rms_norm, eps=eps))
 
     def linear(self, x, w):
         if isinstance(w, FusedPart):

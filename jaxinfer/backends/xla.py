@@ -39,6 +39,7 @@ import numpy as np
 from jaxinfer.backends.attention import (ATTENTION_ALIASES, check_attention_name, over_paged_pool, pallas_kernel,
                                          reference_kernel)
 from jaxinfer.models.attention import AttentionFn
+from jaxinfer.models.layers import rms_norm
 from jaxinfer.models.paged_attention import PagedAttentionMetadata
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import grouped_linear, linear
@@ -270,6 +271,10 @@ class XlaBackend:
         backends multiply the selected experts in kernels of their own."""
         group_sizes = jnp.bincount(expert_ids, length=ws[0].shape[0]).astype(jnp.int32)
         return [grouped_linear(x, w, group_sizes) for w in ws]
+
+    def rms_norm(self, x, weight, eps: float):
+        """A layer's or the final RMSNorm of the residual stream x [..., hidden]."""
+        return rms_norm(x, weight, eps)
 
     def logits(self, params: dict, hidden) -> jax.Array:
         """Hidden states [..., hidden] -> float32 vocabulary logits: the head

@@ -57,7 +57,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.sampler import SamplerWork, sample
 from jaxinfer.engine.verify import verify, verify_greedy
-from jaxinfer.models.layers import rms_norm
 from jaxinfer.models.llama import forward
 from jaxinfer.models.ring_attention import ring_cache_attention
 from jaxinfer.parallel.mesh import CONTEXT_AXIS, MODEL_AXIS, context_parallel_size, tensor_parallel_size
@@ -120,7 +119,7 @@ def forward_step(params, kv_cache, tokens, attn_meta, logits_indices, lora_slots
         tokens, positions = jax.lax.with_sharding_constraint((tokens, positions), rows)
     pre, kv_cache = forward(params, config, tokens[None], positions[None], attention, kv_cache, backend=backend,
                             final_norm=False, lora_slots=None if lora_slots is None else lora_slots[None])
-    hidden = rms_norm(pre[0], params["final_norm"], config.rms_norm_eps)
+    hidden = backend.rms_norm(pre[0], params["final_norm"], config.rms_norm_eps)
     # Logits only where a token is sampled. On a mesh they come out split on
     # vocab; the sampler needs whole rows, so gather them here, once, in a
     # sharding the sampler's programs are compiled for.

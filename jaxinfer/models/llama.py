@@ -122,11 +122,11 @@ def decoder_layer(p: dict, config: ModelConfig, x, rope, attention: AttentionFn,
     lora_slots: None, or each row's adapter slot int32 [B, T] (lora/slots.py).
     Shared by the model body and the EAGLE draft head (engine/spec/eagle_head.py)."""
     c = config
-    h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+    h = backend.rms_norm(x, p["attn_norm"], c.rms_norm_eps)
     values, kv_cache = attention_values(p, c, h, rope, attention, kv_cache, layer_index, lora_slots,
                                         backend=backend)
     x = x + adapted_linear(values, p, "wo", lora_slots, backend=backend)
-    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+    h = backend.rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
     return x + feed_forward(p, c, h, layer_index, lora_slots, backend=backend), kv_cache
 
 
@@ -211,7 +211,7 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
     x, kv_cache = backend.run_layers(layer, (x, kv_cache), params["layers"], c.num_layers)
     if not final_norm:
         return x, kv_cache
-    return rms_norm(x, params["final_norm"], c.rms_norm_eps), kv_cache
+    return backend.rms_norm(x, params["final_norm"], c.rms_norm_eps), kv_cache
 
 
 def embed_tokens(params: dict, tokens):
