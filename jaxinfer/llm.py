@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from jaxinfer.backends import choose_backend
 from jaxinfer.engine.config import EngineConfig, ModelShape, fit_default_context
+from jaxinfer.engine.early_compile import EarlyCompile
 from jaxinfer.engine.engine import LLMEngine
 from jaxinfer.errors import RequestError
 from jaxinfer.loading.model import load
@@ -70,9 +71,9 @@ class LLM:
             meshes = replica_meshes(tensor_parallel_size or 1, data_parallel_size,
                                     context_parallel_size=context_parallel_size or 1)
         backend = choose_backend(meshes[0], allow_tf32)
-        configs = []
+        configs, early = [], []
 
-        def engine_config(model_config, dtype, mesh, backend):
+        def engine_config(model_config, dtype, mesh, backend, quantization):
             # Decided once the checkpoint's config is read, before its weights
             # are: bad options, and the context the KV pool holds, cost no load.
             # max_model_len defaults to the model's whole context (vLLM's rule),
@@ -88,9 +89,11 @@ class LLM:
                 unknown = sorted(set(options) - known)
                 raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}") from None
             config = config.for_backend(backend)
+            shape = ModelShape(model_config, dtype, mesh, backend)
             if default_len:
-                config = fit_default_context(ModelShape(model_config, dtype, mesh, backend), config)
+                config = fit_default_context(shape, config)
             configs.append(config)
+            early.append(EarlyCompile.start(shape, config, quantization))
 
         self.model = load(model, dtype=dtype, progress=progress, quantization=quantization, mesh=meshes[0],
                           backend=backend, before_weights=engine_config)
@@ -98,7 +101,7 @@ class LLM:
         config = configs[0]
         self.max_model_len = config.max_model_len
         if len(meshes) == 1:
-            self.engine = LLMEngine(self.model, config, progress=progress)
+            self.engine = LLMEngine(self.model, config, progress=progress, early=early[0])
         else:
             from jaxinfer.engine.data_parallel import DataParallelEngine
 

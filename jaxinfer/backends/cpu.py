@@ -116,6 +116,12 @@ class CpuBackend(XlaBackend):
         self.start_weight_kernel_builds(params)
         return params
 
+    def abstract_params(self, config, dtype, sharding) -> dict | None:
+        """The native kernels' tiles are arranged in numpy, not traced: none."""
+        if self.native:
+            return None
+        return super().abstract_params(config, dtype, sharding)
+
     def start_weight_kernel_builds(self, params: dict) -> None:
         """The K-quant kernels, on threads, where the params hold K-quants
         (each is ~15 s of a machine's first start), while the engine's
@@ -152,14 +158,15 @@ class CpuBackend(XlaBackend):
         return zeroed_buffer.zeros(shape, dtype)
 
     def kv_cache_budget(self, devices, memory_fraction: float, one_request_bytes: int,
-                        every_request_bytes: int) -> tuple[int, str]:
+                        every_request_bytes: int, reserved_bytes: int = 0) -> tuple[int, str]:
         """Host memory: enough for every sequence at full length, up to
         host_kv_cache_bytes, but never less than one sequence of the full
         context, up to half of the host's available memory (past it, that
         half: the longest context it holds), so that a model's own context
         (32k tokens for a 0.5B Qwen2.5: 805 MB of float32 K/V) runs with no
-        option set, as llama.cpp's does."""
-        room = available_host_bytes() // 2
+        option set, as llama.cpp's does. reserved_bytes: host memory the
+        weights still have to take."""
+        room = (available_host_bytes() - reserved_bytes) // 2
         budget = min(every_request_bytes, max(self.host_kv_cache_bytes, min(one_request_bytes, room)))
         return budget, (f"the CPU default: every sequence at full length up to "
                         f"{self.host_kv_cache_bytes // 2**20} MiB, one at least if half the available "

@@ -40,6 +40,7 @@ from jaxinfer.backends.attention import (ATTENTION_ALIASES, check_attention_name
                                          reference_kernel)
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.layers import rms_norm
+from jaxinfer.models.llama import param_shapes
 from jaxinfer.models.paged_attention import PagedAttentionMetadata
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import grouped_linear, linear
@@ -166,6 +167,19 @@ class XlaBackend:
         this backend's run_layers and operations read. Here: as loaded."""
         return params
 
+    def abstract_params(self, config, dtype, sharding) -> dict | None:
+        """What arrange_weights makes of a float checkpoint of `config` whose
+        weights load in `dtype` (every one of them, as load() reads a float
+        checkpoint), as shapes placed by `sharding`, known before any weight
+        is read: what a step can be compiled for while the weights load
+        (engine/early_compile.py; scripts/gpu/deviceless.py compiles with no
+        device at all). None where the layout is not computed from shapes
+        alone (CpuBackend's tiles are arranged in numpy)."""
+        stacked = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), param_shapes(config),
+                               is_leaf=lambda x: isinstance(x, tuple))
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            jax.eval_shape(self.arrange_weights, stacked))
+
     def start_weight_kernel_builds(self, params: dict) -> None:
         """Start building the kernels that arranged `params` need (arrange_weights
         does; a load that reads arranged params back from a cache calls it)."""
@@ -180,16 +194,18 @@ class XlaBackend:
         """Process settings an engine on this platform wants (LLMEngine start)."""
 
     def kv_cache_budget(self, devices, memory_fraction: float, one_request_bytes: int,
-                        every_request_bytes: int) -> tuple[int, str]:
+                        every_request_bytes: int, reserved_bytes: int = 0) -> tuple[int, str]:
         """The bytes the KV pool may take on each of `devices` (the engine's
         devices on this host), and what that number is, for messages: a
         fraction of the free memory where the devices report it (the fullest
         device decides: every one holds a slice of every block), else
         enough for every sequence at full length (every_request_bytes) up to
-        host_kv_cache_bytes. one_request_bytes: one sequence at full length."""
+        host_kv_cache_bytes. one_request_bytes: one sequence at full length.
+        reserved_bytes: memory each device still has to give the weights (a
+        pool sized before they load), not free for the pool."""
         stats = [d.memory_stats() for d in devices]
         if all(s and "bytes_limit" in s for s in stats):
-            free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+            free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats) - reserved_bytes
             return int(free * memory_fraction), f"kv_cache_memory_fraction={memory_fraction} of free device memory"
         return (min(every_request_bytes, self.host_kv_cache_bytes),
                 f"the default of {self.host_kv_cache_bytes // 2**20} MiB")

@@ -23,6 +23,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.engine.executable_cache import LOAD_THREADS, ExecutableCache
@@ -60,6 +61,7 @@ class CompiledPrograms:
         self._ready_changed = threading.Condition(self._ready_lock)  # a step waiting in bucket() for the thread
         self.num_loaded = 0  # programs loaded from the executable cache (warm-up, steps, the background thread)
         self.num_loaded_before_serving = 0  # of which warm-up loaded before returning
+        self.num_adopted = 0  # programs taken from an early compile (adopt)
         self._ready: frozenset = frozenset()
         self._background: _BackgroundCompile | None = None
         self._coming: set = set()  # programs the background thread compiles (warmup)
@@ -182,7 +184,7 @@ class CompiledPrograms:
         start on two cores (BENCHMARKS.md, "Cold start")."""
         buckets = self.buckets()
         layouts = dict.fromkeys(layout for _, _, layout in buckets)
-        first = [min(b for b in buckets if b[2] == layout) for layout in layouts]
+        first = self.first_buckets()
         largest = [b for b in (max(b for b in buckets if b[2] == layout) for layout in layouts) if b not in first]
         rest = largest + sorted((b for b in buckets if b not in first and b not in largest), key=lambda b: b[:2])
         # Their shapes, not the placeholder arrays: a program lowered later
@@ -216,6 +218,49 @@ class CompiledPrograms:
                 TRACING_TURNS.lowering_started()
             self._coming = set(to_compile)
             self._background = _BackgroundCompile(self, rest, to_compile)
+
+    def first_buckets(self) -> list[tuple]:
+        """The smallest bucket of each layout: what a short first request runs in."""
+        buckets = self.buckets()
+        return [min(b for b in buckets if b[2] == layout) for layout in dict.fromkeys(b[2] for b in buckets)]
+
+    def compile_first(self, pool: ThreadPoolExecutor) -> list:
+        """Lower the serving programs of the first buckets on this thread and
+        start compiling them on `pool` (those stored in the executable cache
+        are loaded instead), nothing else: what an engine's early compile
+        makes while the model's weights load (engine/early_compile.py).
+        Returns the compilations' futures; each executable joins this
+        runner's as it is done."""
+        first = self.first_buckets()
+        calls = {p: _shapes_of(*self._warmup_call(p)) for b in first for p in self.serving_programs(b)}
+        if self.executable_cache is not None:
+            self._cache_keys = {p: self.executable_cache.key(p, args, statics) for p, (_, args, statics) in calls.items()}
+            self._load(self._cache_keys)
+        futures = []
+        for program, call in calls.items():
+            if program not in self._executables:
+                futures.append(pool.submit(self._compile_one, self._lower(program, *call), program))
+                futures[-1].add_done_callback(lambda f, p=program: self._compiled(p, f, first))
+        return futures
+
+    def adopt(self, other: CompiledPrograms) -> int:
+        """Take each executable `other` holds for a program this one has not
+        compiled, where the program's arguments have the same shapes, dtypes
+        and placements here (and the same static arguments): an early
+        compile's, made on the weights' shapes before they loaded. How many."""
+        taken = 0
+        for program, executable in list(other._executables.items()):
+            if program in self._executables:
+                continue
+            fn, args, statics = _shapes_of(*self._warmup_call(program))
+            other_fn, other_args, other_statics = _shapes_of(*other._warmup_call(program))
+            if fn is other_fn and statics == other_statics and argument_signature(args) == argument_signature(other_args):
+                self._executables[program] = executable
+                if program in other._cache_keys:
+                    self._cache_keys[program] = other._cache_keys[program]
+                taken += 1
+        self.num_adopted += taken
+        return taken
 
     def _load_stored(self, bucket: tuple) -> bool:
         """Load `bucket`'s serving programs from the executable cache now,
@@ -365,6 +410,13 @@ def _shape_of(x):
 
 def _shapes_of(fn, args: tuple, statics: dict) -> tuple:
     return fn, jax.tree.map(_shape_of, args), statics
+
+
+def argument_signature(args) -> tuple:
+    """What a compiled program requires of `args` (arrays, their shapes, or
+    host arrays): the tree, and each leaf's shape, dtype and placement."""
+    leaves, tree = jax.tree.flatten(args)
+    return tree, [(np.shape(x), np.dtype(x.dtype), getattr(x, "sharding", None)) for x in leaves]
 
 
 class _BackgroundCompile:

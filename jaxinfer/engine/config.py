@@ -149,25 +149,29 @@ def kv_block_bytes(model: Model | ModelShape, block_size: int, kv_cache_dtype: s
     return kv_cache.kv_block_bytes(model.config, block_size, model.dtype, kv_cache_dtype)
 
 
-def _pool_budget(model: Model | ModelShape, config: EngineConfig, per_block: int) -> tuple[int, str]:
+def _pool_budget(model: Model | ModelShape, config: EngineConfig, per_block: int,
+                 reserved_bytes: int = 0) -> tuple[int, str]:
     """The KV pool's bytes on each device (the model's backend decides:
     kv_cache_budget) and what the number is."""
     devices = [jax.devices()[0]] if model.mesh is None else [
         d for d in model.mesh.devices.flat if d.process_index == jax.process_index()]
     blocks_per_request = -(-config.max_model_len // config.block_size)
     return model.backend.kv_cache_budget(devices, config.kv_cache_memory_fraction, (blocks_per_request + 1) * per_block,
-                                         config.max_num_seqs * blocks_per_request * per_block)
+                                         config.max_num_seqs * blocks_per_request * per_block, reserved_bytes)
 
 
-def choose_num_blocks(model: Model | ModelShape, config: EngineConfig, extra_block_bytes: int = 0) -> int:
+def choose_num_blocks(model: Model | ModelShape, config: EngineConfig, extra_block_bytes: int = 0,
+                      reserved_bytes: int = 0) -> int:
     """extra_block_bytes: memory per block of another pool with as many blocks
-    (a draft model's), which shares the budget."""
+    (a draft model's), which shares the budget. reserved_bytes: memory the
+    device still has to give the model's weights (a pool sized before they
+    load: engine/early_compile.py)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_block_bytes(model, config.block_size, config.kv_cache_dtype) + extra_block_bytes
     if model.mesh is not None:  # the pool is split on KV heads: each device holds 1 / N of every block
         per_block = -(-per_block // model.mesh.size)
-    budget, _ = _pool_budget(model, config, per_block)
+    budget, _ = _pool_budget(model, config, per_block, reserved_bytes)
     num_blocks = max(2, budget // per_block + 1)
     cp = context_parallel_size(model.mesh)
     num_blocks = max(cp, num_blocks // cp * cp)  # context parallelism: the same block count on every device

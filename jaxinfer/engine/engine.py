@@ -53,7 +53,7 @@ import numpy as np
 
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.config import EngineConfig, check_context_parallel, choose_num_blocks, kv_block_bytes
-from jaxinfer.engine.executable_cache import ExecutableCache
+from jaxinfer.engine.early_compile import EarlyCompile
 from jaxinfer.engine.output_processor import OutputProcessor
 from jaxinfer.engine.request import RequestState
 from jaxinfer.engine.runner import Launched, ModelRunner
@@ -76,7 +76,9 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, model: Model, config: EngineConfig, progress: bool = True):
+    def __init__(self, model: Model, config: EngineConfig, progress: bool = True, early: EarlyCompile | None = None):
+        """early: the programs LLM started compiling while the model's weights
+        loaded (engine/early_compile.py), adopted where they came out right."""
         self.model = model
         self.config = config = config.for_backend(model.backend)
         self.tokenizer = model.tokenizer
@@ -88,7 +90,9 @@ class LLMEngine:
             draft = load_draft_model(spec, model, progress)  # before sizing the pools: it takes memory
         extra = kv_block_bytes(draft, config.block_size, config.kv_cache_dtype) if draft is not None else 0
         check_context_parallel(config, model.mesh)
-        num_blocks = choose_num_blocks(model, config, extra)
+        # An early compile's programs hold its pool's shape (sized before the weights loaded).
+        early = early.finished(model) if early is not None else None
+        num_blocks = early.num_blocks if early is not None else choose_num_blocks(model, config, extra)
         cache = kv_cache.allocate_kv_cache(model.config, num_blocks, config.block_size, model.dtype,
                                            config.kv_cache_dtype, mesh=model.mesh,
                                            fp8_dtype=model.backend.kv_fp8_dtype, zeros=model.backend.zeros)
@@ -114,13 +118,10 @@ class LLMEngine:
         # The draft model's pool has as many blocks as the target's.
         self.proposer = build_proposer(spec, draft or model, config, num_blocks, progress)
         self.scheduler.on_release = self.proposer.release
-        self.runner = ModelRunner(
-            model.config, model.params, cache, config.block_size, config.max_model_len, config.max_num_seqs,
-            config.max_num_batched_tokens, model.backend.with_attention(config.attention),
-            config.num_speculative_tokens,
-            with_features=self.proposer.needs_features, mesh=model.mesh, lora=self.lora,
-            executable_cache=ExecutableCache.default(model.mesh),
-        )
+        self.runner = ModelRunner.for_engine(model, config, cache, lora=self.lora,
+                                             with_features=self.proposer.needs_features)
+        if early is not None:
+            self.runner.adopt(early.compiled())
         self.runner.warmup(progress, background=config.background_compile and jax.process_count() == 1)
         self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.tokenizer,
                                                 config.max_model_len)

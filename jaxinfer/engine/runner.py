@@ -102,6 +102,15 @@ class ModelRunner(CompiledPrograms):
         self._feed_rows: dict = {}
         self._no_feed_indices: dict[int, jax.Array] = {}
 
+    @classmethod
+    def for_engine(cls, model, config, kv_cache, lora=None, with_features: bool = False) -> ModelRunner:
+        """The runner an engine with EngineConfig `config` steps `model` with
+        (engine.py; early_compile.py builds the same one on the weights' shapes)."""
+        return cls(model.config, model.params, kv_cache, config.block_size, config.max_model_len, config.max_num_seqs,
+                   config.max_num_batched_tokens, model.backend.with_attention(config.attention),
+                   config.num_speculative_tokens, with_features=with_features, mesh=model.mesh, lora=lora,
+                   executable_cache=ExecutableCache.default(model.mesh))
+
     # -- programs ------------------------------------------------------------
     def _warmup_call(self, program: tuple):
         """(jitted program, placeholder arguments of the program's shapes, static arguments):

@@ -157,9 +157,10 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
     (checkpoint conversion, calibration) pass XlaBackend().
 
     before_weights: None, or a function called with (config as the model
-    will run it, dtype, mesh, backend) once the checkpoint's config is read
-    and before any weight is, to decide (or refuse) what depends on those
-    alone, such as the KV pool (LLM).
+    will run it, dtype, mesh, backend, quantization) once the checkpoint's
+    config is read and before any weight is, to decide (or refuse) what
+    depends on those alone, such as the KV pool, or to start compiling
+    (LLM).
 
     read_threads: tensors read at once from a safetensors or GGUF file
     (loading/params.py's build_params; default READ_THREADS, 1 one at a time)."""
@@ -182,7 +183,7 @@ def load(model=None, dtype="auto", progress: bool = True, quantization: str | No
         # Checks the sizes divide before anything is read.
         run_config = sharded_config(config, tensor_parallel_size(mesh))
     if before_weights is not None:
-        before_weights(run_config, np_dtype, mesh, backend)
+        before_weights(run_config, np_dtype, mesh, backend, quantization)
     if isinstance(source, OrbaxCheckpoint):  # a jaxinfer checkpoint: restored by orbax onto the device(s)
         if quantization in (*GGUF_QUANTIZATIONS, STORED):
             raise ValueError(f'quantization="{quantization}" needs a {"GGUF" if quantization != STORED else "quantized HF"} '

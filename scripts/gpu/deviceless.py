@@ -13,8 +13,7 @@ fusions.
         [--layers 32] [--json deviceless.json] [--hlo-dir DIR] [--xla-option NAME=VALUE ...]
 
 The params are the loader's layout for the GPU backend computed from the
-config's shapes (the backend's arrange_weights under jax.eval_shape), so
-no checkpoint is read.
+config's shapes (the backend's abstract_params), so no checkpoint is read.
 """
 
 import os
@@ -47,15 +46,6 @@ from jaxinfer.engine.config import EngineConfig  # noqa: E402
 from jaxinfer.engine.inputs import build_inputs  # noqa: E402
 from jaxinfer.engine.programs import forward_step  # noqa: E402
 from jaxinfer.models.kv_cache import allocate_kv_cache  # noqa: E402
-from jaxinfer.models.llama import param_shapes  # noqa: E402
-
-
-def abstract_params(config: ModelConfig, backend, dtype, sharding) -> dict:
-    """The params as the GPU backend lays them out (one array per layer,
-    fused groups), shapes only, placed by `sharding`."""
-    stacked = jax.tree.map(lambda shape: jax.ShapeDtypeStruct(shape, dtype), param_shapes(config),
-                           is_leaf=lambda x: isinstance(x, tuple))
-    return placed(jax.eval_shape(backend.arrange_weights, stacked), sharding)
 
 
 def placed(tree, sharding):
@@ -90,7 +80,7 @@ def main():
     backend = GpuBackend().with_dtype(dtype)
     options = {**(backend.compiler_options() or {}), **dict(map(option_value, args.xla_option))}
     block_size = EngineConfig(max_model_len=max(lens)).block_size
-    params = abstract_params(config, backend, dtype, device)
+    params = backend.abstract_params(config, dtype, device)
     cache = placed(jax.eval_shape(lambda: allocate_kv_cache(config, max(lens) // block_size + 1, block_size, dtype)),
                    device)
     result = {"jax": jax.__version__, "target": topology.devices[0].device_kind, "layers": args.layers,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import SingleDeviceSharding
 
 import jaxinfer
 from jaxinfer.backends import GpuBackend
@@ -110,14 +111,13 @@ def test_gpu_backend_turns_off_the_dot_merger():
 
 
 def test_layout_from_shapes_is_the_loaded_layout(decode_step):
-    """scripts/gpu/deviceless.py compiles the GPU backend's step from the
-    params' layout computed from the config's shapes alone: the same tree
+    """The GPU backend's params computed from the config's shapes alone
+    (abstract_params: what early_compile.py and scripts/gpu/deviceless.py
+    compile for before or without any weight): the same tree
     (one array per layer, q|k|v and gate|up fused) with the same shapes
     and dtypes as a checkpoint loaded for that backend."""
-    from scripts.gpu.deviceless import abstract_params
-
     _, model = decode_step
-    loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.params)
-    computed = abstract_params(model.config, model.backend, jnp.float32, sharding=None)
+    loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), model.params)
+    computed = model.backend.abstract_params(model.config, jnp.float32, SingleDeviceSharding(jax.devices()[0]))
     assert jax.tree.structure(computed) == jax.tree.structure(loaded)
     assert jax.tree.leaves(computed) == jax.tree.leaves(loaded)
