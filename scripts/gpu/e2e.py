@@ -155,6 +155,8 @@ def main():
     result["num_kv_blocks"] = engine.block_manager.num_usable_blocks
     result["programs"] = len(engine.runner.programs())
     result["programs_loaded"] = engine.runner.num_loaded
+    result["programs_compiled_while_loading"] = engine.runner.num_adopted  # engine/early_compile.py
+    result["load_s"] = llm.model.load_seconds
     print(json.dumps(result), flush=True)
     save()
     batches = [int(b) for b in args.batches.split(",") if b]

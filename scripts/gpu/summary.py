@@ -89,7 +89,9 @@ def main():
             first_token = f", first token {run['first_token_s']:.1f} s" if "first_token_s" in run else ""
             lines.append(f"{label} start ({kind}): serving {run['ready_s']:.1f} s{first_token}, every program compiled"
                          f" {run['compiled_s']:.1f} s ({run['programs']} programs, "
-                         f"{run['programs_loaded']} loaded from the executable cache)")
+                         f"{run['programs_loaded']} loaded from the executable cache, "
+                         f"{run.get('programs_compiled_while_loading', 0)} compiled while the weights loaded in "
+                         f"{run.get('load_s', float('nan')):.1f} s)")
     warm = load(out, "e2e_default_warm")
     if warm is not None:
         first_token = f", first token {warm['first_token_s']:.1f} s" if "first_token_s" in warm else ""
