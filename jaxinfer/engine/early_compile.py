@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 
 class EarlyCompile:
+    """The early compile of one engine (see the module docstring): its KV
+    pool's size, the params it predicted, and the runner compiling them."""
+
     def __init__(self, shape: ModelShape, config: EngineConfig, params: dict):
         weight_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(params))
         self.num_blocks = choose_num_blocks(shape, config, reserved_bytes=weight_bytes)
@@ -75,8 +78,7 @@ class EarlyCompile:
     def finished(self, model) -> EarlyCompile | None:
         """This early compile if `model`, as loaded, has the params it was
         compiled for (its KV pool size then stands), else None (logged)."""
-        loaded = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), model.params)
-        if argument_signature(loaded) == argument_signature(self.params):
+        if argument_signature(model.params) == argument_signature(self.params):
             return self
         log.warning("the loaded params differ from those predicted from the config: the programs compiled while "
                     "they loaded are not used")
