@@ -511,7 +511,10 @@ def test_shutdown_aborts_in_flight_and_tells_the_client(scripted):
 
     async def run():
         deltas = []
-        async for _, delta in thread.generate([EngineRequest("r", [1, 2], greedy(1000))]):
+        # More tokens than the engine thread can step through before this
+        # loop sees the first delta and holds it: a loaded machine once let a
+        # 1,000-token request finish first, leaving nothing to abort.
+        async for _, delta in thread.generate([EngineRequest("r", [1, 2], greedy(10**7))]):
             deltas.append(delta)
             if len(deltas) == 1:
                 engine.hold.set()
