@@ -253,28 +253,24 @@ def write_kv(kv_cache, layer_index, k, v, slot_mapping):
     k_pool, v_pool = kv_cache[:2]
     block_size = k_pool.shape[2]
     block, offset = slot_mapping // block_size, slot_mapping % block_size
-    if not is_quantized(kv_cache):
+
+    def write(pool, values):
+        """pool[layer_index, block[t], offset[t]] = values[t] for each new token t."""
         if slot_mapping.shape[0] == 1:
-            # One row (a batch-1 decode step): XLA makes a one-index scatter a
-            # dynamic-update-slice guarded by a bounds check (read the old row,
-            # select, write: three kernels a pool on a GPU). The slot is in
-            # bounds (padding writes into the null block): write it directly.
-            at = (layer_index, block[0], offset[0], 0, 0)
-            k_pool = jax.lax.dynamic_update_slice(k_pool, k.astype(k_pool.dtype)[None, None], at)
-            v_pool = jax.lax.dynamic_update_slice(v_pool, v.astype(v_pool.dtype)[None, None], at)
-            return k_pool, v_pool
-        k_pool = k_pool.at[layer_index, block, offset].set(k.astype(k_pool.dtype))
-        v_pool = v_pool.at[layer_index, block, offset].set(v.astype(v_pool.dtype))
-        return k_pool, v_pool
+            # One token (a batch-1 decode step): XLA makes a one-index scatter
+            # a dynamic-update-slice guarded by a bounds check (read the old
+            # row, select, write: three kernels a pool on a GPU). The slot is
+            # in bounds (padding writes into the null block): write it directly.
+            start = (layer_index, block[0], offset[0]) + (0,) * (pool.ndim - 3)
+            return jax.lax.dynamic_update_slice(pool, values.astype(pool.dtype)[None, None], start)
+        return pool.at[layer_index, block, offset].set(values.astype(pool.dtype))
+
+    if not is_quantized(kv_cache):
+        return write(k_pool, k), write(v_pool, v)
     k_scales, v_scales = kv_cache[2:]
     k_q, k_scale = quantize_kv(k, k_pool.dtype)
     v_q, v_scale = quantize_kv(v, v_pool.dtype)
-    return (
-        k_pool.at[layer_index, block, offset].set(k_q),
-        v_pool.at[layer_index, block, offset].set(v_q),
-        k_scales.at[layer_index, block, offset].set(k_scale),
-        v_scales.at[layer_index, block, offset].set(v_scale),
-    )
+    return write(k_pool, k_q), write(v_pool, v_q), write(k_scales, k_scale), write(v_scales, v_scale)
 
 
 def stored_kv(x, storage_dtype, quantized: bool):

@@ -126,6 +126,27 @@ def test_write_kv_round_trip_error_bound(kv_cache_dtype):
         assert (flat[~written] == 0).all()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_one_token_write_is_the_scatter(kv_cache_dtype):
+    """A one-token step's write (a dynamic-update-slice) leaves every pool
+    (values and scales) as the same token written with a second, null-block
+    token beside it (the scatter): its slot changed, nothing else."""
+    config = tiny_config()
+    rng = np.random.default_rng(7)
+    cache = allocate_kv_cache(config, 6, BLOCK_SIZE, jnp.float32, kv_cache_dtype)
+    cache = tuple(jnp.asarray(rng.standard_normal(p.shape), jnp.float32).astype(p.dtype) for p in cache)
+    k, v = (jnp.asarray(rng.standard_normal((2, NUM_KV_HEADS, HEAD_DIM)), jnp.float32) for _ in range(2))
+    slot = 3 * BLOCK_SIZE + 5
+    one = jax.jit(write_kv)(cache, LAYER, k[:1], v[:1], jnp.array([slot], jnp.int32))
+    # The second row writes into slot 0 (the null block), which the comparison leaves out.
+    two = jax.jit(write_kv)(cache, LAYER, k, v, jnp.array([slot, 0], jnp.int32))
+    for after_one, after_two, before in zip(one, two, cache):
+        after_one, after_two, before = (np.asarray(a).view(np.uint8) for a in (after_one, after_two, before))
+        np.testing.assert_array_equal(after_one[:, 1:], after_two[:, 1:])
+        np.testing.assert_array_equal(after_one[:, 0], before[:, 0])
+        assert (after_one[LAYER, 3, 5] != before[LAYER, 3, 5]).any()
+
+
 def test_fp8_bits_and_fp8_pools_hold_the_same_codes():
     """The uint8 (CPU) and float8_e4m3fn (GPU) forms of an fp8 pool are the same bytes."""
     assert kv_storage_dtype(jnp.float32, "fp8", GpuBackend.kv_fp8_dtype) == jnp.float8_e4m3fn
