@@ -192,7 +192,7 @@ class CompiledPrograms:
         # donated, so deleted, at every step).
         calls = {p: _shapes_of(*self._warmup_call(p)) for p in self.programs()}
         if self.executable_cache is not None:
-            self._cache_keys = {p: self.executable_cache.key(p, args, statics) for p, (_, args, statics) in calls.items()}
+            self._cache_keys = self._keys(calls)
             stored = {p for p in calls if self.executable_cache.has(self._cache_keys[p])}
             # With every program stored, none is needed before the first step
             # asks for its own bucket (bucket() loads it); else the first
@@ -234,14 +234,10 @@ class CompiledPrograms:
         first = self.first_buckets()
         calls = {p: _shapes_of(*self._warmup_call(p)) for b in first for p in self.serving_programs(b)}
         if self.executable_cache is not None:
-            self._cache_keys = {p: self.executable_cache.key(p, args, statics) for p, (_, args, statics) in calls.items()}
+            self._cache_keys = self._keys(calls)
             self._load(self._cache_keys)
-        futures = []
-        for program, call in calls.items():
-            if program not in self._executables:
-                futures.append(pool.submit(self._compile_one, self._lower(program, *call), program))
-                futures[-1].add_done_callback(lambda f, p=program: self._compiled(p, f, first))
-        return futures
+        return [self._submit(pool, program, self._lower(program, *call), first)
+                for program, call in calls.items() if program not in self._executables]
 
     def adopt(self, other: CompiledPrograms) -> int:
         """Take each executable `other` holds for a program this one has not
@@ -344,8 +340,7 @@ class CompiledPrograms:
                     return
                 with TRACING_TURNS.turn():
                     lowered = self._lower(program, *calls[program])
-                futures[program] = pool.submit(self._compile_one, lowered, program)
-                futures[program].add_done_callback(lambda f, p=program: self._compiled(p, f, buckets))
+                futures[program] = self._submit(pool, program, lowered, buckets)
             for bucket in tqdm(buckets, desc="compiling", unit="bucket", disable=not progress, leave=False):
                 for program in self.bucket_programs(bucket):
                     if program in futures:
@@ -359,6 +354,16 @@ class CompiledPrograms:
                 if stop is not None and stop.is_set():
                     pool.shutdown(cancel_futures=True)
                     return
+
+    def _keys(self, calls: dict) -> dict:
+        """{program: its executable cache key} of calls ({program: (fn, argument shapes, statics)})."""
+        return {p: self.executable_cache.key(p, args, statics) for p, (_, args, statics) in calls.items()}
+
+    def _submit(self, pool: ThreadPoolExecutor, program: tuple, lowered, buckets: list[tuple]):
+        """Compile `lowered` on `pool`; its executable joins this runner's when done (_compiled)."""
+        future = pool.submit(self._compile_one, lowered, program)
+        future.add_done_callback(lambda f: self._compiled(program, f, buckets))
+        return future
 
     def _compiled(self, program: tuple, future, buckets: list[tuple]) -> None:
         """A compilation's end (on the pool's thread): keep the executable,

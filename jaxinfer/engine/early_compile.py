@@ -22,7 +22,6 @@ again as without this: the early work can be lost, never wrong.
 from __future__ import annotations
 
 import logging
-import math
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import jax
@@ -32,6 +31,7 @@ from jaxinfer.engine.compiled_programs import argument_signature
 from jaxinfer.engine.config import EngineConfig, ModelShape, choose_num_blocks
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.models import kv_cache
+from jaxinfer.quant.params import params_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +40,11 @@ class EarlyCompile:
     """The early compile of one engine (see the module docstring): its KV
     pool's size, the params it predicted, and the runner compiling them."""
 
-    def __init__(self, shape: ModelShape, config: EngineConfig, params: dict):
-        weight_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(params))
-        self.num_blocks = choose_num_blocks(shape, config, reserved_bytes=weight_bytes)
+    def __init__(self, shape: ModelShape, config: EngineConfig, params: dict, device: SingleDeviceSharding):
+        self.num_blocks = choose_num_blocks(shape, config, reserved_bytes=params_nbytes(params))
         self.params = params
-        device = SingleDeviceSharding(jax.devices()[0])
-        cache = jax.eval_shape(lambda: kv_cache.allocate_kv_cache(
-            shape.config, self.num_blocks, config.block_size, shape.dtype, config.kv_cache_dtype,
-            fp8_dtype=shape.backend.kv_fp8_dtype))
-        cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), cache)
+        cache = kv_cache.kv_cache_shapes(shape.config, self.num_blocks, config.block_size, shape.dtype, device,
+                                         config.kv_cache_dtype, fp8_dtype=shape.backend.kv_fp8_dtype)
         self._runner = ModelRunner.for_engine(_Shapes(shape, params), config, cache)
         self._pool = ThreadPoolExecutor(shape.backend.compile_threads, thread_name_prefix="jaxinfer-early-compile")
         self._futures = self._runner.compile_first(self._pool)
@@ -66,11 +62,12 @@ class EarlyCompile:
         if (quantization is not None or shape.mesh is not None or config.enable_lora or config.speculative is not None
                 or jax.process_count() > 1):
             return None
-        params = shape.backend.abstract_params(shape.config, shape.dtype, SingleDeviceSharding(jax.devices()[0]))
+        device = SingleDeviceSharding(jax.devices()[0])
+        params = shape.backend.abstract_params(shape.config, shape.dtype, device)
         if params is None:
             return None
         try:
-            return cls(shape, config, params)
+            return cls(shape, config, params, device)
         except Exception:  # the engine compiles after the load as it would without this
             log.exception("compiling while the weights load failed; the programs compile after the load")
             return None

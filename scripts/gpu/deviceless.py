@@ -45,7 +45,7 @@ from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.engine.config import EngineConfig  # noqa: E402
 from jaxinfer.engine.inputs import build_inputs  # noqa: E402
 from jaxinfer.engine.programs import forward_step  # noqa: E402
-from jaxinfer.models.kv_cache import allocate_kv_cache  # noqa: E402
+from jaxinfer.models.kv_cache import kv_cache_shapes  # noqa: E402
 
 
 def placed(tree, sharding):
@@ -81,8 +81,7 @@ def main():
     options = {**(backend.compiler_options() or {}), **dict(map(option_value, args.xla_option))}
     block_size = EngineConfig(max_model_len=max(lens)).block_size
     params = backend.abstract_params(config, dtype, device)
-    cache = placed(jax.eval_shape(lambda: allocate_kv_cache(config, max(lens) // block_size + 1, block_size, dtype)),
-                   device)
+    cache = kv_cache_shapes(config, max(lens) // block_size + 1, block_size, dtype, device)
     result = {"jax": jax.__version__, "target": topology.devices[0].device_kind, "layers": args.layers,
               "xla_options": options, "steps": []}
     print(f"decode step of the 8B-shaped model, {args.layers} layers, compiled for {result['target']} with no GPU")
