@@ -50,6 +50,15 @@ Algorithm:
     merge over the splits axis, an lse of -inf weighing 0) into [S, Q, H, D]
     in q's dtype. With one split the kernel writes the final output in q's
     dtype and there is no merge.
+  * new_kv (a decode step, float pool): q arrives as one [S, 1, H + 2 KVH, D]
+    array holding the step's own K and V heads after its queries. The split
+    walking a sequence's last tile owns position context_len - 1: its tile
+    loop leaves that key out (it is not in the pool yet), it attends to the
+    new key and value from registers as the pool stores them, and stores them
+    into the pool, which comes back as the kernel's outputs aliased to its
+    inputs (in place). No other program reads that slot in the step, so the
+    store needs no ordering. On a GPU this removes the two scatter kernels a
+    layer and lets XLA produce q, k and v in one fusion.
 
 NaN safety: cache slots past a context (and the null block, other layers) may
 hold anything, NaN included. K/V/scale loads are masked with other=0 for dead
@@ -136,14 +145,17 @@ def _decode_kernel(
     layer_index_ref,  # [1] int32
     context_lens_ref,  # [S] int32
     block_tables_ref,  # [S, max_blocks] int32
-    q_ref,  # [S, Q, H, D] every query (this program gathers its KV head's rows)
+    q_ref,  # [S, Q, H, D] every query (this program gathers its KV head's rows); with new_kv [S, 1, H + 2 KVH, D]
     k_pool_ref,  # [L, N, B, KVH, D] whole pool
     v_pool_ref,  # [L, N, B, KVH, D] whole pool
     k_scales_ref,  # [L, N, B, KVH] or None
     v_scales_ref,  # [L, N, B, KVH] or None
     out_ref,  # [S, splits, Q, H, D] normalized partial outputs (float32), or [S, Q, H, D] final (q's dtype)
     lse_ref,  # [S, splits, Q, H] float32, log-sum-exp of each split (-inf: no keys); None with one split
+    k_out_ref,  # with new_kv: the K pool, aliased to k_pool_ref (the new key written into it); else None
+    v_out_ref,  # with new_kv: the V pool, aliased to v_pool_ref; else None
     *,
+    num_heads: int,
     num_queries: int,
     group: int,
     num_rows: int,
@@ -155,6 +167,7 @@ def _decode_kernel(
 ):
     seq, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
+    new_kv = k_out_ref is not None
     max_blocks = block_tables_ref.shape[1]
     tile_tokens = blocks_per_tile * block_size
     sm_scale = head_dim**-0.5
@@ -213,7 +226,9 @@ def _decode_kernel(
         for b in range(blocks_per_tile):
             block_id = block_tables_ref[seq, jnp.minimum(tile_first_block + b, max_blocks - 1)]
             block_ids = jnp.where(block_in_tile == b, block_id, block_ids)
-        key_live = (key_pos >= first_visible) & (key_pos < context_len)
+        # With new_kv the step's own key (position context_len - 1) is not
+        # in the pool yet: it comes from registers after the loop.
+        key_live = (key_pos >= first_visible) & (key_pos < context_len - new_kv)
 
         # Every pool index as a [tile, head_dim] array: a pure gather, which both the
         # Triton lowering and interpret mode accept (interpret mode rejects gathers
@@ -274,6 +289,12 @@ def _decode_kernel(
     row_max = jnp.full((num_rows,), -jnp.inf, jnp.float32)
     row_sum = jnp.zeros((num_rows,), jnp.float32)
     acc, row_max, row_sum = lax.fori_loop(0, num_tiles, tile_step, (acc, row_max, row_sum))
+    if new_kv:
+        acc, row_max, row_sum = _attend_new_key(
+            (acc, row_max, row_sum), q, seq, kv_head, layer, context_len, block_tables_ref, q_ref, k_out_ref,
+            v_out_ref, num_heads=num_heads, block_size=block_size, sm_scale=sm_scale,
+            # The split walking the last visible tile owns the new key (exactly one split of a live sequence).
+            owner=(num_tiles > 0) & (first_tile + num_tiles == end_seq_tile))
 
     has_keys = row_sum > 0.0
     out = (acc / jnp.where(has_keys, row_sum, 1.0)[:, None]).astype(out_ref.dtype)
@@ -286,9 +307,51 @@ def _decode_kernel(
         plt.store(lse_ref.at[seq, split, row_query, row_head], lse, mask=row_live)
 
 
-def _single_split_kernel(kernel, *refs):
-    """The kernel with no log-sum-exp output (one split needs no merge)."""
-    kernel(*refs, None)
+def _attend_new_key(carry, q, seq, kv_head, layer, context_len, block_tables_ref, qkv_ref, k_out_ref, v_out_ref,
+                    *, num_heads: int, block_size: int, sm_scale: float, owner):
+    """The online softmax's last step over the step's own key and value, read
+    from qkv (heads num_heads + kv_head and num_heads + KVH + kv_head) as the
+    pool stores them, and their write into the pool at position
+    context_len - 1, both by the owning program only. No other program reads
+    that slot in this step (its tiles lie before it; a sequence's last block
+    is its own), so the write needs no ordering against any read."""
+    acc, row_max, row_sum = carry
+    num_kv_heads = k_out_ref.shape[3]
+    features = jnp.arange(q.shape[-1], dtype=jnp.int32)
+    live = jnp.broadcast_to(owner, features.shape)
+    zero = jnp.zeros((), qkv_ref.dtype)
+    k = plt.load(qkv_ref.at[seq, 0, num_heads + kv_head, features], mask=live, other=zero).astype(k_out_ref.dtype)
+    v = plt.load(qkv_ref.at[seq, 0, num_heads + num_kv_heads + kv_head, features], mask=live,
+                 other=zero).astype(v_out_ref.dtype)
+    position = context_len - 1
+    block = block_tables_ref[seq, lax.div(jnp.maximum(position, 0), block_size)]
+    slot = lax.rem(jnp.maximum(position, 0), block_size)
+    plt.store(k_out_ref.at[layer, block, slot, kv_head, features], k, mask=live)
+    plt.store(v_out_ref.at[layer, block, slot, kv_head, features], v, mask=live)
+
+    # One key: its score per row is an elementwise product summed (a dot needs 16 columns).
+    k, v = k.astype(q.dtype).astype(jnp.float32), v.astype(q.dtype).astype(jnp.float32)
+    score = jnp.sum(q.astype(jnp.float32) * k[None, :], axis=1) * sm_scale
+    score = jnp.where(owner, score, -jnp.inf)
+    new_max = jnp.maximum(row_max, score)
+    shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    rescale = jnp.exp(row_max - shift)
+    prob = jnp.exp(score - shift)
+    return acc * rescale[:, None] + prob[:, None] * v[None, :], new_max, row_sum * rescale + prob
+
+
+def _bind_outputs(kernel, num_inputs: int, has_lse: bool):
+    """The kernel called with its output refs in their places: the log-sum-exp
+    None with one split (no merge), the pools None without new_kv."""
+
+    def bound(*refs):
+        inputs, outputs = refs[:num_inputs], list(refs[num_inputs:])
+        out = outputs.pop(0)
+        lse = outputs.pop(0) if has_lse else None
+        pools = outputs or [None, None]
+        kernel(*inputs, out, lse, *pools)
+
+    return bound
 
 
 def _merge_kernel(out_ref, lse_ref, merged_ref, *, num_splits: int, num_heads: int):
@@ -343,6 +406,7 @@ def merge_splits(partial_out, partial_lse, dtype, interpret: bool = False):
         "num_splits",
         "num_warps",
         "num_stages",
+        "new_kv",
         "interpret",
     ),
 )
@@ -361,9 +425,17 @@ def paged_decode_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    new_kv: bool = False,
     interpret: bool = False,
 ):
     """Attention of Q new tokens per sequence over a paged KV cache -> [S, Q, H, D].
+
+    new_kv: q is [S, 1, H + 2 KVH, D], the queries followed by the step's own
+      K and V heads (of position context_len - 1, not yet in the pool): the
+      kernel writes them into the pool (float pools, donated: the pool
+      buffers are updated in place) and attends to them from registers ->
+      (out [S, 1, H, D], k_pool, v_pool). One array in, so that XLA produces
+      q, k and v in one fusion and no scatter kernel writes the pool.
 
     Tuning (all static, defaults from a per-head_dim table):
       blocks_per_tile: blocks per online-softmax step; a power of two with
@@ -375,6 +447,10 @@ def paged_decode_attention(
     """
     num_seqs, num_queries, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_pool.shape
+    if new_kv:
+        num_heads -= 2 * num_kv_heads
+        if num_queries != 1 or k_scales is not None:
+            raise ValueError("new_kv takes one query per sequence and a float pool")
     quantized = check_kv_pool(num_heads, head_dim, k_pool, v_pool, k_scales, v_scales)
     if not is_power_of_two(block_size):
         raise ValueError(f"block_size {block_size} must be a power of two")
@@ -398,6 +474,7 @@ def paged_decode_attention(
     compute_dtype = q.dtype
     kernel = functools.partial(
         _decode_kernel,
+        num_heads=num_heads,
         num_queries=num_queries,
         group=group,
         num_rows=padded_rows,
@@ -414,15 +491,21 @@ def paged_decode_attention(
     if num_splits == 1:
         # One split sees every key: its normalized output is final, in q's dtype.
         out_specs = [whole]
-        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((num_seqs, num_queries, num_heads, head_dim), q.dtype)]
     else:
         out_specs = [whole, whole]
         out_shape = [
             jax.ShapeDtypeStruct((num_seqs, num_splits, num_queries, num_heads, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((num_seqs, num_splits, num_queries, num_heads), jnp.float32),
         ]
+    aliases = {}
+    if new_kv:  # the pools (inputs 4 and 5: no scales) come back as the last outputs, written in place
+        aliases = {4: len(out_shape), 5: len(out_shape) + 1}
+        out_specs = [*out_specs, whole, whole]
+        out_shape = [*out_shape, jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
+                     jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)]
     outputs = pl.pallas_call(
-        kernel if num_splits > 1 else functools.partial(_single_split_kernel, kernel),
+        _bind_outputs(kernel, num_inputs=8, has_lse=num_splits > 1),
         grid=(num_seqs, num_kv_heads, num_splits),
         in_specs=[
             whole,  # layer_index
@@ -436,12 +519,14 @@ def paged_decode_attention(
         ],
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_decode_attention_bpt{blocks_per_tile}_splits{num_splits}",
+        name=f"paged_decode_attention_bpt{blocks_per_tile}_splits{num_splits}{'_new_kv' if new_kv else ''}",
     )(layer_index, context_lens, block_tables, q, k_pool, v_pool, k_scales, v_scales)
 
-    return outputs[0] if num_splits == 1 else merge_splits(*outputs, q.dtype, interpret)
+    out = outputs[0] if num_splits == 1 else merge_splits(*outputs[:2], q.dtype, interpret)
+    return (out, *outputs[-2:]) if new_kv else out
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window",))

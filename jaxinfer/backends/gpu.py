@@ -20,7 +20,8 @@ a few rows.
                pallas_kernels/expert_matmul.py at decode sizes (each row
                reads its own expert only; XLA's ragged_dot reads them all); attention through the Pallas
                decode and prefill kernels (attention "pallas", the default
-               here: backends/attention.py); a one-row RMSNorm through
+               here: backends/attention.py; a decode step's kernel writes
+               the step's K/V into the pool itself); a one-row RMSNorm through
                pallas_kernels/rms_norm.py; everything else XLA's.
   settings     float32 dots at full precision unless TF32 is asked for
                (with_dtype), wide default batches, a small compile grid
@@ -39,7 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.backends.attention import pallas_decode_over_pool
 from jaxinfer.backends.xla import XlaBackend
+from jaxinfer.models.attention import AttentionFn
+from jaxinfer.models.paged_attention import PagedAttentionMetadata
 from jaxinfer.quant.fused_columns import FusedColumns, FusedPart, fused_key
 from jaxinfer.quant.layer_weights import PerLayer
 from jaxinfer.quant.linear import linear
@@ -151,8 +155,16 @@ class GpuBackend(XlaBackend):
         a step bound by reading them. The groups that share an input are
         stored concatenated already (arrange_weights); a group left apart
         (forms that differ, a tensor-parallel split) must stay apart too.
-        Threshold 0 merges none: each weight is read once, in place."""
-        return {"xla_gpu_dot_merger_threshold_mb": 0}
+        Threshold 0 merges none: each weight is read once, in place.
+
+        XLA's rematerialization is off: its estimate of a step's memory
+        counts a Pallas kernel's output aliased to its input (the decode
+        kernel writing the KV pool in place) as a second pool, and to fit the
+        phantom it recomputes GEMMs, reading their weights twice, where the
+        real buffer assignment aliases the pool and needs no temporary of its
+        size. A step's other temporaries are activations, small beside the
+        headroom the KV pool leaves (engine/config.py)."""
+        return {"xla_gpu_dot_merger_threshold_mb": 0, "xla_disable_hlo_passes": "rematerialization"}
 
     def decode_buckets(self, max_num_seqs: int) -> list[int]:
         """Powers of four (and the largest): each is a whole unrolled model to
@@ -246,6 +258,16 @@ class GpuBackend(XlaBackend):
             return pallas_rms_norm(x, weight, eps, interpret=True)
         return jax.lax.platform_dependent(x, weight, cuda=functools.partial(pallas_rms_norm, eps=eps),
                                           default=functools.partial(super().rms_norm, eps=eps))
+
+    def paged_attention(self, meta: PagedAttentionMetadata, sliding_window, decode: bool, mesh) -> AttentionFn:
+        """A decode step's Pallas attention on one device takes q, k and v as
+        one array and writes k and v into a float pool itself
+        (backends/attention.py, pallas_decode_over_pool): no scatter kernels,
+        and q, k and v come out of one fusion. Needs rematerialization off
+        (compiler_options says why)."""
+        if self.attention == "pallas" and decode and mesh is None:
+            return pallas_decode_over_pool(meta, sliding_window, self.interpret)
+        return super().paged_attention(meta, sliding_window, decode, mesh)
 
     def linear(self, x, w):
         if isinstance(w, FusedPart):

@@ -222,9 +222,19 @@ def step_report(text: str, num_layers: int, attention_scope: str) -> dict:
 def bytes_written(text: str, name_contains: str) -> tuple[int, list[str]]:
     """(bytes the kernels whose op_name contains `name_contains` write, one
     line per kernel). A kernel's output shape is what it writes, except an
-    in-place update, which reports its whole buffer."""
+    in-place update: a fusion's reports its whole buffer; a custom call's
+    outputs aliased to its operands (a Pallas kernel writing rows of a pool
+    it was given) are left out, the rows it stores there unknown to the HLO."""
     kernels = [i for i in parse(text).kernels() if name_contains in i.op_name]
-    return sum(shape_bytes(i.shape) for i in kernels), [f"{i.name} {i.opcode} {i.shape}" for i in kernels]
+    return sum(_fresh_output_bytes(i) for i in kernels), [f"{i.name} {i.opcode} {i.shape}" for i in kernels]
+
+
+def _fresh_output_bytes(instruction: Instruction) -> int:
+    """Bytes of the outputs `instruction` does not update in place (see bytes_written)."""
+    aliasing = re.search(r"output_to_operand_aliasing=\{(.*?)\}(?:,|$)", instruction.attributes)
+    aliased = {int(i) for i in re.findall(r"\{(\d+)\}:", aliasing.group(1))} if aliasing else set()
+    arrays = _ARRAY.findall(instruction.shape)
+    return sum(shape_bytes(f"{dtype}[{dims}]") for n, (dtype, dims) in enumerate(arrays) if n not in aliased)
 
 
 def _is_weight(instruction: Instruction, prefix: str) -> bool:

@@ -237,6 +237,63 @@ def test_default_tuning_matches_float64():
     check_against_truth(out, expected, jnp.float32)
 
 
+def new_kv_case(seed, context_lens, kv_dtype, q_dtype, group=3):
+    """A decode step (one query per sequence) whose own K/V (position
+    context_len - 1) are not in the pool yet: their slots hold NaN, and q
+    carries them as heads H.. of one [S, 1, H + 2 KVH, D] array."""
+    inputs, dense_k, dense_v = build_case(np.random.default_rng(seed), context_lens, num_queries=1, num_kv_heads=2,
+                                          group=group, head_dim=64, block_size=8, kv_dtype=kv_dtype, q_dtype=q_dtype)
+    k_pool, v_pool = np.asarray(inputs["k_pool"]).copy(), np.asarray(inputs["v_pool"]).copy()
+    tables = np.asarray(inputs["block_tables"])
+    new_k = np.zeros((len(context_lens), 1, 2, 64), np.float32)
+    new_v = np.zeros_like(new_k)
+    slots = []
+    for s, context_len in enumerate(context_lens):
+        if context_len:
+            block, slot = tables[s, (context_len - 1) // 8], (context_len - 1) % 8
+            new_k[s, 0], new_v[s, 0] = dense_k[s][-1], dense_v[s][-1]
+            k_pool[LAYER, block, slot] = v_pool[LAYER, block, slot] = np.nan
+            slots.append((block, slot))
+    q = jnp.concatenate([inputs["q"], jnp.asarray(new_k, q_dtype), jnp.asarray(new_v, q_dtype)], axis=2)
+    expected = float64_attention(inputs["q"], context_lens, dense_k, dense_v, group)
+    pools = {"k_pool": jnp.asarray(k_pool, inputs["k_pool"].dtype), "v_pool": jnp.asarray(v_pool, inputs["v_pool"].dtype)}
+    return {**inputs, "q": q, **pools}, expected, new_k, \
+        new_v, slots
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype,num_splits", [("float32", jnp.float32, 1), ("float32", jnp.float32, 3),
+                                                         ("bfloat16", jnp.bfloat16, 4)])
+def test_new_kv_written_into_the_pool_and_attended(kv_dtype, q_dtype, num_splits):
+    """new_kv: the kernel writes each live sequence's own K/V into its slot
+    (exactly, nothing else in either pool changes: NaN poison included) and
+    attends to them as if they had been there (float64 truth); a context of
+    one key sees only its own, a padding sequence writes nothing."""
+    context_lens = [1, 37, 0, 9, 16]
+    inputs, expected, new_k, new_v, slots = new_kv_case(7, context_lens, kv_dtype, q_dtype)
+    out, k_pool, v_pool = paged_decode_attention(**inputs, num_splits=num_splits, new_kv=True, interpret=True)
+    assert out.shape == (5, 1, 6, 64) and out.dtype == q_dtype
+    check_against_truth(out, expected, q_dtype)
+    assert (np.asarray(out.astype(jnp.float32))[2] == 0).all()
+    # float32 views: numpy compares NaN positions only for its own float types.
+    want_k, want_v = (np.array(inputs[pool].astype(jnp.float32)) for pool in ("k_pool", "v_pool"))
+    live = [s for s, n in enumerate(context_lens) if n]
+    for s, (block, slot) in zip(live, slots):
+        want_k[LAYER, block, slot], want_v[LAYER, block, slot] = new_k[s, 0], new_v[s, 0]
+    np.testing.assert_array_equal(np.asarray(k_pool.astype(jnp.float32)), want_k)
+    np.testing.assert_array_equal(np.asarray(v_pool.astype(jnp.float32)), want_v)
+
+
+def test_new_kv_lowers_to_triton_with_the_pools_in_place():
+    """Cross-lowered for CUDA, the new_kv kernel is a Triton call whose pool
+    outputs alias its pool inputs (written in place, never copied)."""
+    inputs, *_ = new_kv_case(8, [40, 9, 0], "bfloat16", jnp.bfloat16)
+    for num_splits in (1, 2):
+        lowered = jax.jit(lambda i: paged_decode_attention(**i, num_splits=num_splits, new_kv=True)).trace(
+            inputs).lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        assert "triton" in text and "output_operand_aliases" in text
+
+
 def test_decode_tiling_respects_triton_limits():
     for head_dim in (64, 128):
         for block_size in (8, 16, 32):

@@ -167,7 +167,8 @@ def test_decode_step_reads_each_fused_group_once(scheme):
     and the Pallas matmul (a Triton custom call) for a quantized one, in
     place (w8a8: its codes by one int8 dot); the step holds no separate
     q/k/v, gate or up weight and copies or concatenates no weight. So a
-    layer runs 4 GEMMs (q|k|v, wo, gate|up, w_down), not 7."""
+    layer runs 4 GEMMs (q|k|v, wo, gate|up, w_down), not 7; and no
+    scatter writes the KV pool (the attention kernel does)."""
     params = random_params() if scheme is None else quantize_params(random_params(), scheme, 32 if scheme == "int4"
                                                                      else None)
     text = lowered_decode_hlo(params)
@@ -191,6 +192,8 @@ def test_decode_step_reads_each_fused_group_once(scheme):
     # One Pallas decode kernel per layer, and the kernel merging its splits where it has several.
     attention = CONFIG.num_layers * (2 if default_num_splits(NUM_SEQS, CONFIG.num_kv_heads) > 1 else 1)
     assert counts["custom-call __gpu$xla.gpu.triton"] == attention + (per_layer if pallas else 0)
+    # The decode kernel writes the step's K/V into the (float) pool itself: no scatter does.
+    assert counts["scatter"] == 0 and counts["dynamic-update-slice"] == 0
     if not pallas:
         assert counts["dot"] == per_layer + 1  # + the head
 

@@ -98,16 +98,33 @@ def test_bytes_written_by_named_kernels():
     assert len(kernels) == 2, kernels
 
 
-def test_gpu_backend_turns_off_the_dot_merger():
-    """GpuBackend compiles with XLA's dot merger off, under an option name
-    XLA knows: a tiny program compiles with it, and with a misspelled one it
-    does not (so the name is checked, here on CPU as on the GPU)."""
+def test_gpu_backend_options_are_names_xla_knows():
+    """GpuBackend compiles with XLA's dot merger and rematerialization off,
+    under option names XLA knows: a tiny program compiles with them, and
+    with a misspelled one it does not (so names are checked, here on CPU as
+    on the GPU)."""
     options = GpuBackend().compiler_options()
-    assert options == {"xla_gpu_dot_merger_threshold_mb": 0}
+    assert options == {"xla_gpu_dot_merger_threshold_mb": 0, "xla_disable_hlo_passes": "rematerialization"}
     lowered = jax.jit(lambda a, b: a @ b).lower(jnp.ones((4, 8)), jnp.ones((8, 2)))
     np.testing.assert_allclose(np.asarray(lowered.compile(options)(jnp.ones((4, 8)), jnp.ones((8, 2)))), 8.0)
     with pytest.raises(Exception, match="xla_gpu_dot_merger_threshold_mbs"):
         lowered.compile({"xla_gpu_dot_merger_threshold_mbs": 0})
+
+
+def test_bytes_written_leaves_out_outputs_aliased_to_operands():
+    """A custom call updating an operand in place (XLA's output_to_operand_aliasing,
+    as the decode kernel writing the KV pool compiles on a GPU) writes its
+    other outputs' bytes, not the aliased buffer's."""
+    hlo = """HloModule m, entry_computation_layout={(f32[4]{0}, bf16[2,8]{1,0})->(f32[4]{0}, bf16[2,8]{1,0})}
+
+ENTRY %main (p0: f32[4], p1: bf16[2,8]) -> (f32[4], bf16[2,8]) {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = bf16[2,8]{1,0} parameter(1)
+  ROOT %k = (f32[4]{0}, bf16[2,8]{1,0}) custom-call(%p0, %p1), custom_call_target="kernel", output_to_operand_aliasing={{1}: (1, {})}, metadata={op_name="jit(f)/writer/pallas_call"}
+}
+"""
+    total, kernels = bytes_written(hlo, "writer")
+    assert total == 4 * 4 and len(kernels) == 1
 
 
 def test_layout_from_shapes_is_the_loaded_layout(decode_step):

@@ -270,12 +270,14 @@ def run_step(backend, step, kv_cache_dtype, seed):
     q, meta, num_blocks, (slots, k_cached, v_cached), (k_new, v_new), dense_k, dense_v = case
     cache = poisoned_cache(num_blocks, kv_cache_dtype, np.random.default_rng(seed + 100))
     cache = jax.jit(write_kv)(cache, LAYER, k_cached, v_cached, slots)
-    attend = XlaBackend().with_attention(backend).paged_attention(meta, None, step == "decode", None)
+    # "gpu": the GPU backend's Pallas attention, whose decode kernel writes a float pool itself.
+    chosen = GpuBackend().with_attention("pallas") if backend == "gpu" else XlaBackend().with_attention(backend)
+    attend = chosen.paged_attention(meta, None, step == "decode", None)
     out, cache = jax.jit(attend)(q[None], k_new[None], v_new[None], cache, jnp.int32(LAYER))
     return np.asarray(out[0], np.float64), cache, q, meta, dense_k, dense_v
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "gpu"])
 @pytest.mark.parametrize("step", ["decode", "mixed"])
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_attention_over_quantized_cache(kv_cache_dtype, step, backend):
