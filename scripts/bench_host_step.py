@@ -10,7 +10,11 @@ step's wall time less the time spent waiting for the device) is reported as
 the median step (and the mean).
 Prefix caching stays on (the default), as a user runs it.
 
-Run: python scripts/bench_host_step.py [--batches 1 16 64] [--contexts 1024 8192 32768] [--json out.json]
+With --draft-model the engine drafts with a draft model (the same tiny
+model, 3 tokens a step, always on), whose proposer's host work is counted too.
+
+Run: python scripts/bench_host_step.py [--batches 1 16 64] [--contexts 1024 8192 32768] [--max-model-len L]
+     [--draft-model] [--json out.json]
 Compare trees: run it from each tree (PYTHONPATH=<tree>) in one session.
 """
 
@@ -36,6 +40,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the longest context timed; the model's own 40,960 is the widest block table")
+    parser.add_argument("--draft-model", action="store_true", help="speculative decoding with a draft model")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -46,13 +51,16 @@ def main() -> None:
     longest = max(args.contexts) + args.steps + 16
     max_batch = max(args.batches)
     blocks = max_batch * (-(-longest // 16)) + 2  # the pool holds the longest contexts timed, whatever the table's width
-    llm = LLM(model, progress=False, max_model_len=args.max_model_len or longest, num_kv_blocks=blocks, max_num_seqs=max_batch,
-              max_num_batched_tokens=8192)
+    speculative = dict(method="draft_model", model=model, num_speculative_tokens=3, disable_by_batch_size=None,
+                       adaptive=False) if args.draft_model else None
+    llm = LLM(model, progress=False, max_model_len=args.max_model_len or longest, num_kv_blocks=blocks,
+              max_num_seqs=max_batch, max_num_batched_tokens=8192, speculative=speculative)
     llm.wait_compiled()
     engine = llm.engine
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}; tiny llama_ring, "
-          f"max_model_len {engine.config.max_model_len}, {args.steps} decode steps timed")
+          f"max_model_len {engine.config.max_model_len}, {args.steps} decode steps timed"
+          + (", drafting 3 tokens with a draft model" if args.draft_model else ""))
     print("| batch | context | host ms / step, median | mean | wall ms / step, median |")
     print("|---:|---:|---:|---:|---:|")
     rows = []

@@ -30,6 +30,7 @@ than sampling from the draft's own distribution would give.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -85,10 +86,21 @@ class _Proposal:
     """One sequence's proposal in progress."""
 
     seq_id: int
-    tokens: list[int]  # the sequence's tokens, then the drafts fed so far
+    context: Sequence[int]  # the sequence's tokens, read in place (Sequence.tokens: no copy a step)
     num_computed_tokens: int  # tokens whose K/V the draft cache holds
     cap: int
     drafts: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens to feed: the context, then the drafts so far but the
+        cap-th (the last draft is never fed)."""
+        return len(self.context) + min(len(self.drafts), self.cap - 1)
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """(context + fed drafts)[start:end], reading only the part asked for."""
+        n = len(self.context)
+        return list(self.context[start:min(end, n)]) + self.drafts[max(start - n, 0):max(end - n, 0)]
 
 
 class DraftModelProposer(Proposer):
@@ -126,14 +138,14 @@ class DraftModelProposer(Proposer):
         proposals: list[_Proposal | None] = []
         bm = self.block_manager
         for seq, cap in zip(seqs, caps):
-            tokens = seq.token_ids()
+            tokens = seq.tokens
             if seq.seq_id not in self._computed:
                 self._computed[seq.seq_id] = bm.allocate_prefix(seq.seq_id, tokens)
             # The last draft fed is draft cap - 1, at position len(tokens) + cap - 2.
             if not bm.allocate(seq.seq_id, len(tokens) + cap - 1):
                 proposals.append(None)  # the draft cache is full: this sequence decodes without drafts
                 continue
-            proposals.append(_Proposal(seq.seq_id, list(tokens), self._computed[seq.seq_id], cap))
+            proposals.append(_Proposal(seq.seq_id, tokens, self._computed[seq.seq_id], cap))
         # Every proposal owes the tokens its cache lacks (the whole prompt the
         # first time, afterwards the one or two tokens of the last step), then
         # one per further draft: paid like the target's scheduler pays them,
@@ -144,16 +156,14 @@ class DraftModelProposer(Proposer):
             for p in pending:
                 if budget == 0 or len(batch) == self.max_num_seqs:
                     break
-                num = min(len(p.tokens) - p.num_computed_tokens, budget)
+                num = min(p.num_tokens - p.num_computed_tokens, budget)
                 batch.append(p)
                 counts.append(num)
                 budget -= num
             for p, num, token in zip(batch, counts, self._step(batch, counts)):
                 p.num_computed_tokens += num
-                if p.num_computed_tokens == len(p.tokens):  # the step fed its last token: a draft
+                if p.num_computed_tokens == p.num_tokens:  # the step fed its last token: a draft
                     p.drafts.append(token)
-                    if len(p.drafts) < p.cap:  # the last draft is never fed
-                        p.tokens.append(token)
             pending = [p for p in pending if len(p.drafts) < p.cap]
         for p in filter(None, proposals):
             self._fed[p.seq_id] = p.num_computed_tokens
@@ -161,7 +171,7 @@ class DraftModelProposer(Proposer):
 
     def _step(self, batch: list[_Proposal], counts: list[int]) -> list[int]:
         tables = [self.block_manager.block_table_array(p.seq_id) for p in batch]
-        step_tokens = [p.tokens[p.num_computed_tokens: p.num_computed_tokens + n] for p, n in zip(batch, counts)]
+        step_tokens = [p.tokens_between(p.num_computed_tokens, p.num_computed_tokens + n) for p, n in zip(batch, counts)]
         inputs = self.runner.inputs(step_tokens, [p.num_computed_tokens for p in batch], counts, tables)
         start = time.perf_counter()
         logits, _ = self.runner.forward(inputs)
@@ -179,9 +189,8 @@ class DraftModelProposer(Proposer):
                 continue
             computed = min(fed, seq.num_computed_tokens)
             self._computed[seq.seq_id] = computed
-            token_ids = seq.token_ids()
-            self.block_manager.cache_full_blocks(seq.seq_id, token_ids, computed)
-            self.block_manager.trim(seq.seq_id, len(token_ids))
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.tokens, computed)
+            self.block_manager.trim(seq.seq_id, seq.num_tokens)
 
     def release(self, seq) -> None:
         self._computed.pop(seq.seq_id, None)

@@ -161,9 +161,8 @@ class EagleProposer(Proposer):
             seq = seqs[i]
             end, kept = self._features[seq.seq_id]
             length = len(kept)
-            token_ids = seq.token_ids()
             # Entries for positions end - length + 1 .. end (= n - 1), features of end - length .. end - 1.
-            tokens[row, :length] = token_ids[end - length + 1: end + 1]
+            tokens[row, :length] = seq.token_ids_between(end - length + 1, end + 1)
             features[row, :length] = kept
             first_position[row] = end - length + 1
             lengths[row] = length
