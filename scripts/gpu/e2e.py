@@ -77,7 +77,7 @@ def device_step_ms(engine, batch: int, context: int = 192, iters: int = 30) -> f
 
     def step():
         logits, _ = runner.forward(inputs)
-        return runner._sample(logits, sampling, None, False, runner._sampler_work([]), masks)
+        return runner._sample(logits, sampling, None, False, runner._sampler_work([], False), masks)
 
     jax.block_until_ready(step())
     start = time.perf_counter()

@@ -138,3 +138,20 @@ def test_layout_from_shapes_is_the_loaded_layout(decode_step):
     computed = model.backend.abstract_params(model.config, jnp.float32, SingleDeviceSharding(jax.devices()[0]))
     assert jax.tree.structure(computed) == jax.tree.structure(loaded)
     assert jax.tree.leaves(computed) == jax.tree.leaves(loaded)
+
+
+def test_gpu_checks_device_step_runs_the_engines_own_programs(tmp_path):
+    """scripts/gpu/e2e.py's device-only step (a decode step's forward and
+    sample programs queued back to back) calls the runner as the engine's
+    step does: at batches 1 and 3 (padded to the engine's bucket) it runs
+    programs the engine compiled at start-up and compiles none of its own."""
+    from scripts.gpu.e2e import device_step_ms
+
+    directory = save_hf_model(make_hf_model("llama", seed=2), tmp_path)
+    llm = jaxinfer.LLM(str(directory), progress=False, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                       num_kv_blocks=16, background_compile=False)
+    engine = llm.engine
+    compiled = engine.runner.num_compilations
+    for batch in (1, 3):
+        assert device_step_ms(engine, batch, context=20, iters=2) > 0
+    assert engine.runner.num_compilations == compiled
