@@ -165,6 +165,8 @@ def main():
     batches = [b for b in batches if b <= engine.config.max_num_seqs]
     if not args.start_only:
         num_layers = llm.model.config.num_layers
+        if args.hlo_dir:
+            Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
         for batch in batches:
             hlo = Path(args.hlo_dir) / f"decode_b{batch}.hlo.txt.gz" if args.hlo_dir and batch == batches[0] else None
             try:
