@@ -50,7 +50,8 @@ def main() -> None:
     model = save_hf_model(make_hf_model("llama_ring", seed=3), tempfile.mkdtemp())
     longest = max(args.contexts) + args.steps + 16
     max_batch = max(args.batches)
-    blocks = max_batch * (-(-longest // 16)) + 2  # the pool holds the longest contexts timed, whatever the table's width
+    # The pool holds the longest contexts timed, whatever the table's width (--max-model-len).
+    blocks = max_batch * (-(-longest // 16)) + 2
     speculative = dict(method="draft_model", model=model, num_speculative_tokens=3, disable_by_batch_size=None,
                        adaptive=False) if args.draft_model else None
     llm = LLM(model, progress=False, max_model_len=args.max_model_len or longest, num_kv_blocks=blocks,

@@ -28,9 +28,9 @@ backend's with_attention, backends/xla.py):
 
 from __future__ import annotations
 
-from jaxinfer.models.attention import AttentionFn
 import jax.numpy as jnp
 
+from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.kv_cache import as_fp8, is_quantized
 from jaxinfer.models.paged_attention import (PagedAttentionMetadata, multi_query_attention_reference,
                                              paged_attention_reference, stored_kv, write_new_kv)

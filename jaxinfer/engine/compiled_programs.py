@@ -23,10 +23,9 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
-import numpy as np
 from tqdm.auto import tqdm
 
-from jaxinfer.engine.executable_cache import LOAD_THREADS, ExecutableCache
+from jaxinfer.engine.executable_cache import LOAD_THREADS, ExecutableCache, argument_signature
 from jaxinfer.engine.sampler import CONDITIONAL, SamplerWork, greedy_work
 from jaxinfer.engine.tracing_turns import TRACING_TURNS
 from jaxinfer.utils import bucket_size, powers_of_two
@@ -415,13 +414,6 @@ def _shape_of(x):
 
 def _shapes_of(fn, args: tuple, statics: dict) -> tuple:
     return fn, jax.tree.map(_shape_of, args), statics
-
-
-def argument_signature(args) -> tuple:
-    """What a compiled program requires of `args` (arrays, their shapes, or
-    host arrays): the tree, and each leaf's shape, dtype and placement."""
-    leaves, tree = jax.tree.flatten(args)
-    return tree, [(np.shape(x), np.dtype(x.dtype), getattr(x, "sharding", None)) for x in leaves]
 
 
 class _BackgroundCompile:

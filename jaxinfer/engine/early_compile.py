@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import jax
 from jax.sharding import SingleDeviceSharding
 
-from jaxinfer.engine.compiled_programs import argument_signature
+from jaxinfer.engine.executable_cache import argument_signature
 from jaxinfer.engine.config import EngineConfig, ModelShape, choose_num_blocks
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.models import kv_cache

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.experimental import serialize_executable
 
 from jaxinfer.native.build import cpu_flags, cxx_compiler, native_ffi_target, registered_ffi_targets
@@ -75,6 +76,14 @@ jax.monitoring.register_event_listener(_on_event)
 PACKAGE = Path(__file__).parent.parent
 
 
+def argument_signature(args) -> tuple:
+    """What a compiled program requires of `args` (arrays, their shapes, or
+    host arrays): the tree, and each leaf's shape, dtype and placement. Keys
+    entries here; CompiledPrograms.adopt compares it directly."""
+    leaves, tree = jax.tree.flatten(args)
+    return tree, [(np.shape(x), np.dtype(x.dtype), getattr(x, "sharding", None)) for x in leaves]
+
+
 class ExecutableCache:
     def __init__(self, directory: Path):
         self.directory = Path(directory)
@@ -107,11 +116,7 @@ class ExecutableCache:
     def key(self, name: tuple, args: tuple, statics: dict) -> str:
         """The key of program `name` called with `args` (arrays or their
         shapes) and keyword `statics`."""
-        leaves, tree = jax.tree.flatten(args)
-        parts = [repr(name), str(tree), repr(sorted(statics.items())),
-                 *(repr(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)))
-                   for x in leaves),
-                 *self._environment]
+        parts = [repr(name), repr(argument_signature(args)), repr(sorted(statics.items())), *self._environment]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
     def load_all(self, keys: dict, threads: int = LOAD_THREADS) -> dict:

@@ -256,7 +256,7 @@ def new_kv_case(seed, context_lens, kv_dtype, q_dtype, group=3):
             slots.append((block, slot))
     q = jnp.concatenate([inputs["q"], jnp.asarray(new_k, q_dtype), jnp.asarray(new_v, q_dtype)], axis=2)
     expected = float64_attention(inputs["q"], context_lens, dense_k, dense_v, group)
-    pools = {"k_pool": jnp.asarray(k_pool, inputs["k_pool"].dtype), "v_pool": jnp.asarray(v_pool, inputs["v_pool"].dtype)}
+    pools = {name: jnp.asarray(pool, inputs[name].dtype) for name, pool in (("k_pool", k_pool), ("v_pool", v_pool))}
     return {**inputs, "q": q, **pools}, expected, new_k, \
         new_v, slots
 

@@ -155,3 +155,23 @@ def test_gpu_checks_device_step_runs_the_engines_own_programs(tmp_path):
     for batch in (1, 3):
         assert device_step_ms(engine, batch, context=20, iters=2) > 0
     assert engine.runner.num_compilations == compiled
+
+
+def test_gpu_plugin_compiles_every_kernel_the_tests_call():
+    """tests/gpu_plugin.py (the GPU check's Pallas part) forces interpret=False
+    on each kernel entry point, jitted ones included: a jitted kernel left
+    unwrapped would run the GPU check's kernel tests in interpret mode. Run in
+    a process of its own (the plugin rewrites the modules it loads)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    kernels = {"paged_decode_attention": ["paged_decode_attention", "merge_splits"],
+               "paged_prefill_attention": ["paged_prefill_attention"], "rms_norm": ["rms_norm"],
+               "quantized_matmul": ["quantized_matmul"], "expert_matmul": ["expert_matmul"]}
+    check = "; ".join(["import importlib, tests.gpu_plugin"] + [
+        f"assert importlib.import_module('pallas_kernels.{module}').{name}.forces_compiled, '{name}'"
+        for module, names in kernels.items() for name in names])
+    root = Path(__file__).parents[2]
+    result = subprocess.run([sys.executable, "-c", check], cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -171,7 +171,8 @@ class DraftModelProposer(Proposer):
 
     def _step(self, batch: list[_Proposal], counts: list[int]) -> list[int]:
         tables = [self.block_manager.block_table_array(p.seq_id) for p in batch]
-        step_tokens = [p.tokens_between(p.num_computed_tokens, p.num_computed_tokens + n) for p, n in zip(batch, counts)]
+        step_tokens = [p.tokens_between(p.num_computed_tokens, p.num_computed_tokens + n)
+                       for p, n in zip(batch, counts)]
         inputs = self.runner.inputs(step_tokens, [p.num_computed_tokens for p in batch], counts, tables)
         start = time.perf_counter()
         logits, _ = self.runner.forward(inputs)
