@@ -50,15 +50,16 @@ Algorithm:
     merge over the splits axis, an lse of -inf weighing 0) into [S, Q, H, D]
     in q's dtype. With one split the kernel writes the final output in q's
     dtype and there is no merge.
-  * new_kv (a decode step, float pool): q arrives as one [S, 1, H + 2 KVH, D]
-    array holding the step's own K and V heads after its queries. The split
-    walking a sequence's last tile owns position context_len - 1: its tile
-    loop leaves that key out (it is not in the pool yet), it attends to the
-    new key and value from registers as the pool stores them, and stores them
+  * new_kv (a decode or verify step, float pool): q arrives as one
+    [S, Q, H + 2 KVH, D] array holding each row's own K and V heads after its
+    queries. Every split's tile loop leaves the last Q positions out (their
+    keys are not in the pool yet); the split walking a sequence's last tile
+    owns them: it attends to the new keys and values from registers as the
+    pool stores them (causally: row i sees new keys 0..i) and stores them
     into the pool, which comes back as the kernel's outputs aliased to its
-    inputs (in place). No other program reads that slot in the step, so the
-    store needs no ordering. On a GPU this removes the two scatter kernels a
-    layer and lets XLA produce q, k and v in one fusion.
+    inputs (in place). No other program reads those slots in the step, so
+    the stores need no ordering. On a GPU this removes the two scatter
+    kernels a layer and lets XLA produce q, k and v in one fusion.
 
 NaN safety: cache slots past a context (and the null block, other layers) may
 hold anything, NaN included. K/V/scale loads are masked with other=0 for dead
@@ -226,9 +227,9 @@ def _decode_kernel(
         for b in range(blocks_per_tile):
             block_id = block_tables_ref[seq, jnp.minimum(tile_first_block + b, max_blocks - 1)]
             block_ids = jnp.where(block_in_tile == b, block_id, block_ids)
-        # With new_kv the step's own key (position context_len - 1) is not
-        # in the pool yet: it comes from registers after the loop.
-        key_live = (key_pos >= first_visible) & (key_pos < context_len - new_kv)
+        # With new_kv the step's own keys (its last Q positions) are not in
+        # the pool yet: they come from registers after the loop.
+        key_live = (key_pos >= first_visible) & (key_pos < context_len - (num_queries if new_kv else 0))
 
         # Every pool index as a [tile, head_dim] array: a pure gather, which both the
         # Triton lowering and interpret mode accept (interpret mode rejects gathers
@@ -290,10 +291,11 @@ def _decode_kernel(
     row_sum = jnp.zeros((num_rows,), jnp.float32)
     acc, row_max, row_sum = lax.fori_loop(0, num_tiles, tile_step, (acc, row_max, row_sum))
     if new_kv:
-        acc, row_max, row_sum = _attend_new_key(
-            (acc, row_max, row_sum), q, seq, kv_head, layer, context_len, block_tables_ref, q_ref, k_out_ref,
-            v_out_ref, num_heads=num_heads, block_size=block_size, sm_scale=sm_scale,
-            # The split walking the last visible tile owns the new key (exactly one split of a live sequence).
+        acc, row_max, row_sum = _attend_new_keys(
+            (acc, row_max, row_sum), q, row_query, row_live, seq, kv_head, layer, context_len, block_tables_ref, q_ref,
+            k_out_ref, v_out_ref, num_heads=num_heads, num_queries=num_queries, block_size=block_size,
+            sm_scale=sm_scale, sliding_window=sliding_window,
+            # The split walking the last visible tile owns the new keys (exactly one split of a live sequence).
             owner=(num_tiles > 0) & (first_tile + num_tiles == end_seq_tile))
 
     has_keys = row_sum > 0.0
@@ -307,37 +309,48 @@ def _decode_kernel(
         plt.store(lse_ref.at[seq, split, row_query, row_head], lse, mask=row_live)
 
 
-def _attend_new_key(carry, q, seq, kv_head, layer, context_len, block_tables_ref, qkv_ref, k_out_ref, v_out_ref,
-                    *, num_heads: int, block_size: int, sm_scale: float, owner):
-    """The online softmax's last step over the step's own key and value, read
-    from qkv (heads num_heads + kv_head and num_heads + KVH + kv_head) as the
-    pool stores them, and their write into the pool at position
-    context_len - 1, both by the owning program only. No other program reads
-    that slot in this step (its tiles lie before it; a sequence's last block
-    is its own), so the write needs no ordering against any read."""
+def _attend_new_keys(carry, q, row_query, row_live, seq, kv_head, layer, context_len, block_tables_ref, qkv_ref,
+                     k_out_ref, v_out_ref, *, num_heads: int, num_queries: int, block_size: int, sm_scale: float,
+                     sliding_window: int | None, owner):
+    """The online softmax's last steps, over the step's own keys and values
+    (positions context_len - Q .. context_len - 1, row j of qkv at heads
+    num_heads + kv_head and num_heads + KVH + kv_head) as the pool stores
+    them, and their writes into the pool, both by the owning program only.
+    No other program reads those slots in this step (its tiles stop before
+    them; a sequence's blocks past its computed tokens are its own), so the
+    writes need no ordering against any read. A verify row padding a
+    sequence with fewer drafts writes its K/V where the scatter would have
+    put them into the null block: into a slot past the sequence's tokens
+    (rewritten before any query reads it) or the null block itself."""
     acc, row_max, row_sum = carry
     num_kv_heads = k_out_ref.shape[3]
     features = jnp.arange(q.shape[-1], dtype=jnp.int32)
     live = jnp.broadcast_to(owner, features.shape)
     zero = jnp.zeros((), qkv_ref.dtype)
-    k = plt.load(qkv_ref.at[seq, 0, num_heads + kv_head, features], mask=live, other=zero).astype(k_out_ref.dtype)
-    v = plt.load(qkv_ref.at[seq, 0, num_heads + num_kv_heads + kv_head, features], mask=live,
-                 other=zero).astype(v_out_ref.dtype)
-    position = context_len - 1
-    block = block_tables_ref[seq, lax.div(jnp.maximum(position, 0), block_size)]
-    slot = lax.rem(jnp.maximum(position, 0), block_size)
-    plt.store(k_out_ref.at[layer, block, slot, kv_head, features], k, mask=live)
-    plt.store(v_out_ref.at[layer, block, slot, kv_head, features], v, mask=live)
+    for j in range(num_queries):
+        k = plt.load(qkv_ref.at[seq, j, num_heads + kv_head, features], mask=live, other=zero).astype(k_out_ref.dtype)
+        v = plt.load(qkv_ref.at[seq, j, num_heads + num_kv_heads + kv_head, features], mask=live,
+                     other=zero).astype(v_out_ref.dtype)
+        position = jnp.maximum(context_len - num_queries + j, 0)
+        block = block_tables_ref[seq, lax.div(position, block_size)]
+        slot = lax.rem(position, block_size)
+        plt.store(k_out_ref.at[layer, block, slot, kv_head, features], k, mask=live)
+        plt.store(v_out_ref.at[layer, block, slot, kv_head, features], v, mask=live)
 
-    # One key: its score per row is an elementwise product summed (a dot needs 16 columns).
-    k, v = k.astype(q.dtype).astype(jnp.float32), v.astype(q.dtype).astype(jnp.float32)
-    score = jnp.sum(q.astype(jnp.float32) * k[None, :], axis=1) * sm_scale
-    score = jnp.where(owner, score, -jnp.inf)
-    new_max = jnp.maximum(row_max, score)
-    shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-    rescale = jnp.exp(row_max - shift)
-    prob = jnp.exp(score - shift)
-    return acc * rescale[:, None] + prob[:, None] * v[None, :], new_max, row_sum * rescale + prob
+        # One key: its score per row is an elementwise product summed (a dot needs 16 columns).
+        k, v = k.astype(q.dtype).astype(jnp.float32), v.astype(q.dtype).astype(jnp.float32)
+        score = jnp.sum(q.astype(jnp.float32) * k[None, :], axis=1) * sm_scale
+        # Query row r (position context_len - Q + row_query[r]) sees key j at or before it.
+        visible = owner & row_live & (row_query >= j)
+        if sliding_window is not None:
+            visible = visible & (row_query - j < sliding_window)
+        score = jnp.where(visible, score, -jnp.inf)
+        new_max = jnp.maximum(row_max, score)
+        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        rescale = jnp.exp(row_max - shift)
+        prob = jnp.exp(score - shift)
+        acc, row_max, row_sum = acc * rescale[:, None] + prob[:, None] * v[None, :], new_max, row_sum * rescale + prob
+    return acc, row_max, row_sum
 
 
 def _bind_outputs(kernel, num_inputs: int, has_lse: bool):
@@ -430,12 +443,12 @@ def paged_decode_attention(
 ):
     """Attention of Q new tokens per sequence over a paged KV cache -> [S, Q, H, D].
 
-    new_kv: q is [S, 1, H + 2 KVH, D], the queries followed by the step's own
-      K and V heads (of position context_len - 1, not yet in the pool): the
-      kernel writes them into the pool (float pools, donated: the pool
-      buffers are updated in place) and attends to them from registers ->
-      (out [S, 1, H, D], k_pool, v_pool). One array in, so that XLA produces
-      q, k and v in one fusion and no scatter kernel writes the pool.
+    new_kv: q is [S, Q, H + 2 KVH, D], each query row followed by the step's
+      own K and V heads of its position (not yet in the pool): the kernel
+      writes them into the pool (float pools, donated: the pool buffers are
+      updated in place) and attends to them from registers -> (out
+      [S, Q, H, D], k_pool, v_pool). One array in, so that XLA produces q, k
+      and v in one fusion and no scatter kernel writes the pool.
 
     Tuning (all static, defaults from a per-head_dim table):
       blocks_per_tile: blocks per online-softmax step; a power of two with
@@ -449,8 +462,8 @@ def paged_decode_attention(
     _, _, block_size, num_kv_heads, _ = k_pool.shape
     if new_kv:
         num_heads -= 2 * num_kv_heads
-        if num_queries != 1 or k_scales is not None:
-            raise ValueError("new_kv takes one query per sequence and a float pool")
+        if k_scales is not None:
+            raise ValueError("new_kv takes a float pool (an int8 / fp8 pool's scales are computed outside)")
     quantized = check_kv_pool(num_heads, head_dim, k_pool, v_pool, k_scales, v_scales)
     if not is_power_of_two(block_size):
         raise ValueError(f"block_size {block_size} must be a power of two")

@@ -12,10 +12,10 @@ implementation is only `kernel(q, k, v, pools, layer_index) -> out`, with
     k, v   the step's new K/V [T, KV, D] (already in the pool)
     pools  (k_pool, v_pool, k_scales, v_scales), scales None for a float pool
 
-A Pallas decode step on one device skips the first move for a float pool:
-`pallas_decode_over_pool` hands q, k and v to the decode kernel as one array,
-which writes k and v into the pool itself (two kernels a layer fewer on a
-GPU: the scatters, and q's own fusion, see paged_decode_attention.py).
+A Pallas decode or verify step on one device skips the first move for a
+float pool: `pallas_decode_over_pool` hands q, k and v to the decode kernel
+as one array, which writes k and v into the pool itself (two kernels a layer
+fewer on a GPU: the scatters, and q's own fusion, see paged_decode_attention.py).
 
 The implementations (named by the `attention` option, resolved once by the
 backend's with_attention, backends/xla.py):
@@ -66,24 +66,30 @@ def over_paged_pool(meta: PagedAttentionMetadata, kernel, rows: int | None = Non
     return attend
 
 
-def pallas_decode_over_pool(meta: PagedAttentionMetadata, sliding_window, interpret: bool) -> AttentionFn:
-    """A decode step's attention (one new token per sequence, one device) by
-    the Pallas decode kernel writing the step's K/V into a float pool itself;
-    an int8 / fp8 pool (its scales computed in XLA) as over_paged_pool."""
+def pallas_decode_over_pool(meta: PagedAttentionMetadata, sliding_window, interpret: bool,
+                            rows: int | None = None) -> AttentionFn:
+    """A decode step's attention (one new token per sequence; rows=R: a
+    verify step's R per sequence), on one device, by the Pallas decode
+    kernel writing the step's K/V into a float pool itself; an int8 / fp8
+    pool (its scales computed in XLA) as over_paged_pool."""
     from pallas_kernels.paged_decode_attention import paged_decode_attention
 
-    written_first = over_paged_pool(meta, pallas_kernel(meta, sliding_window, True, None, interpret, None))
+    written_first = over_paged_pool(meta, pallas_kernel(meta, sliding_window, rows is None, rows, interpret, None),
+                                    rows)
 
     def attend(q, k, v, kv_cache, layer_index):
         if is_quantized(kv_cache):
             return written_first(q, k, v, kv_cache, layer_index)
         k_pool, v_pool = kv_cache
-        # [1, S, H + 2 KV, D] -> one row per sequence, q's heads then k's then v's.
-        qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=2)[0][:, None]
+        num_tokens, num_heads, head_dim = q.shape[1:]
+        per_seq = rows or 1
+        # [1, T, H + 2 KV, D] -> [S, R, ...]: each row's q heads, then its k's, then its v's.
+        qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=2)
+        qkv = qkv.reshape(num_tokens // per_seq, per_seq, -1, head_dim)
         out, k_pool, v_pool = paged_decode_attention(qkv, k_pool, v_pool, layer_index, meta.block_tables,
                                                      meta.context_lens, sliding_window=sliding_window, new_kv=True,
                                                      interpret=interpret)
-        return out[:, 0][None].astype(q.dtype), (k_pool, v_pool)
+        return out.reshape(1, num_tokens, num_heads, head_dim).astype(q.dtype), (k_pool, v_pool)
 
     return attend
 

@@ -10,7 +10,7 @@ fusions.
 
     bash scripts/gpu/deviceless_env.sh      (once: the CUDA plugin beside .venv, in .gpu/deviceless)
     .gpu/deviceless/bin/python scripts/gpu/deviceless.py [--batches 1,16,64] [--max-model-lens 4096,131072]
-        [--layers 32] [--json deviceless.json] [--hlo-dir DIR] [--xla-option NAME=VALUE ...]
+        [--layers 32] [--json deviceless.json] [--hlo-dir DIR] [--xla-option NAME=VALUE ...] [--verify-rows R]
 
 The params are the loader's layout for the GPU backend computed from the
 config's shapes (the backend's abstract_params), so no checkpoint is read.
@@ -68,6 +68,8 @@ def main():
     parser.add_argument("--max-model-lens", default=None, help="default: 4096 and the config's own context")
     parser.add_argument("--json", default="deviceless.json")
     parser.add_argument("--hlo-dir", default=None, help="write each compiled step here (HLO text)")
+    parser.add_argument("--verify-rows", type=int, default=0,
+                        help="R > 1: the verify step of speculative decoding (R rows a sequence) instead of decode")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an XLA option on top of the backend's compiler_options (to see what one changes)")
     args = parser.parse_args()
@@ -84,22 +86,25 @@ def main():
     cache = kv_cache_shapes(config, max(lens) // block_size + 1, block_size, dtype, device)
     result = {"jax": jax.__version__, "target": topology.devices[0].device_kind, "layers": args.layers,
               "xla_options": options, "steps": []}
-    print(f"decode step of the 8B-shaped model, {args.layers} layers, compiled for {result['target']} with no GPU")
+    step = f"verify step ({args.verify_rows} rows a sequence)" if args.verify_rows > 1 else "decode step"
+    print(f"{step} of the 8B-shaped model, {args.layers} layers, compiled for {result['target']} with no GPU")
     print(f"{'max_model_len':>13} {'batch':>5} {'kernels':>7} {'per layer':>9} {'weight copies':>13} "
           f"{'attention writes MiB':>20} {'compile s':>9}")
     for max_model_len in lens:
         for batch in (int(b) for b in args.batches.split(",")):
-            inputs = build_inputs([], [], [], [], num_tokens=batch, num_seqs=batch, layout="decode",
+            rows = max(1, args.verify_rows)
+            layout = "verify" if rows > 1 else "decode"
+            inputs = build_inputs([], [], [], [], num_tokens=batch * rows, num_seqs=batch, layout=layout,
                                   block_size=block_size, max_blocks_per_seq=max_model_len // block_size)
             step_inputs = placed(jax.tree.map(np.asarray, tuple(inputs[:3])), device)
             start = time.perf_counter()
             compiled = forward_step.trace(params, cache, *step_inputs, config=config, backend=backend,
-                                          layout="decode").lower(lowering_platforms=("cuda",)).compile(options)
+                                          layout=layout).lower(lowering_platforms=("cuda",)).compile(options)
             seconds = time.perf_counter() - start
             text = compiled.as_text()
             if args.hlo_dir:
                 Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-                Path(args.hlo_dir, f"decode_{max_model_len}_{batch}.hlo").write_text(text)
+                Path(args.hlo_dir, f"{layout}_{max_model_len}_{batch}.hlo").write_text(text)
             report = {"max_model_len": max_model_len, "batch": batch, "compile_s": seconds,
                       **step_report(text, args.layers, DECODE_ATTENTION)}
             result["steps"].append(report)

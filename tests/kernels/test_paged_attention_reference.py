@@ -12,7 +12,7 @@ import pytest
 
 from jaxinfer.models import paged_attention
 from jaxinfer.models.llama import forward
-from jaxinfer.backends import XlaBackend
+from jaxinfer.backends import GpuBackend, XlaBackend
 from jaxinfer.models.paged_attention import (
     PagedAttentionMetadata,
     multi_query_attention_reference,
@@ -198,7 +198,8 @@ def test_verification_attention_equals_paged_attention(sliding_window):
 
 def test_verification_attention_backends_agree():
     """The model-facing function: K/V written to their slots, then the Pallas
-    multi-query decode kernel (interpret mode) agrees with the jnp path."""
+    multi-query decode kernel (interpret mode) agrees with the jnp path; so
+    does the GPU backend's, its kernel writing the K/V itself."""
 
     rng = np.random.default_rng(4)
     layers, blocks, bs, kvh, heads, dim, rows = 2, 12, 4, 2, 4, 32, 3
@@ -212,10 +213,14 @@ def test_verification_attention_backends_agree():
     q = jnp.asarray(rng.standard_normal((1, 2 * rows, heads, dim)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((1, 2 * rows, kvh, dim)), jnp.float32)
     outputs = {}
-    for backend in ("reference", "pallas"):
-        attend = XlaBackend().with_attention(backend).verification_attention(meta, rows, None, None)
+    # "gpu": the GPU backend's verify attention, whose kernel writes the rows' K/V into the pool itself.
+    for backend in ("reference", "pallas", "gpu"):
+        chosen = GpuBackend().with_attention("pallas") if backend == "gpu" else XlaBackend().with_attention(backend)
+        attend = chosen.verification_attention(meta, rows, None, None)
         out, new_cache = attend(q, k, 0.5 * k, cache, 1)
         outputs[backend] = np.asarray(out)
+        for pool, written in zip(new_cache, (k, 0.5 * k)):
+            np.testing.assert_array_equal(np.asarray(pool)[1, tables[seq, positions // bs], positions % bs],
+                                          np.asarray(written)[0])
     np.testing.assert_allclose(outputs["pallas"], outputs["reference"], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(new_cache[0])[1, tables[seq, positions // bs], positions % bs],
-                                  np.asarray(k)[0])
+    np.testing.assert_allclose(outputs["gpu"], outputs["reference"], rtol=1e-5, atol=1e-5)

@@ -237,48 +237,53 @@ def test_default_tuning_matches_float64():
     check_against_truth(out, expected, jnp.float32)
 
 
-def new_kv_case(seed, context_lens, kv_dtype, q_dtype, group=3):
-    """A decode step (one query per sequence) whose own K/V (position
-    context_len - 1) are not in the pool yet: their slots hold NaN, and q
-    carries them as heads H.. of one [S, 1, H + 2 KVH, D] array."""
-    inputs, dense_k, dense_v = build_case(np.random.default_rng(seed), context_lens, num_queries=1, num_kv_heads=2,
-                                          group=group, head_dim=64, block_size=8, kv_dtype=kv_dtype, q_dtype=q_dtype)
+def new_kv_case(seed, context_lens, kv_dtype, q_dtype, num_queries=1, group=3, sliding_window=None):
+    """A decode (Q = 1) or verify step whose own K/V (each sequence's last Q
+    positions) are not in the pool yet: their slots hold NaN, and q carries
+    them as heads H.. of one [S, Q, H + 2 KVH, D] array."""
+    inputs, dense_k, dense_v = build_case(np.random.default_rng(seed), context_lens, num_queries=num_queries,
+                                          num_kv_heads=2, group=group, head_dim=64, block_size=8, kv_dtype=kv_dtype,
+                                          q_dtype=q_dtype)
     k_pool, v_pool = np.asarray(inputs["k_pool"]).copy(), np.asarray(inputs["v_pool"]).copy()
     tables = np.asarray(inputs["block_tables"])
-    new_k = np.zeros((len(context_lens), 1, 2, 64), np.float32)
+    new_k = np.zeros((len(context_lens), num_queries, 2, 64), np.float32)
     new_v = np.zeros_like(new_k)
-    slots = []
+    slots = {}  # (sequence, row) -> (block, slot)
     for s, context_len in enumerate(context_lens):
-        if context_len:
-            block, slot = tables[s, (context_len - 1) // 8], (context_len - 1) % 8
-            new_k[s, 0], new_v[s, 0] = dense_k[s][-1], dense_v[s][-1]
+        for j in range(num_queries if context_len else 0):
+            position = context_len - num_queries + j
+            block, slot = tables[s, position // 8], position % 8
+            new_k[s, j], new_v[s, j] = dense_k[s][position], dense_v[s][position]
             k_pool[LAYER, block, slot] = v_pool[LAYER, block, slot] = np.nan
-            slots.append((block, slot))
+            slots[s, j] = (block, slot)
     q = jnp.concatenate([inputs["q"], jnp.asarray(new_k, q_dtype), jnp.asarray(new_v, q_dtype)], axis=2)
-    expected = float64_attention(inputs["q"], context_lens, dense_k, dense_v, group)
+    expected = float64_attention(inputs["q"], context_lens, dense_k, dense_v, group, sliding_window)
     pools = {name: jnp.asarray(pool, inputs[name].dtype) for name, pool in (("k_pool", k_pool), ("v_pool", v_pool))}
-    return {**inputs, "q": q, **pools}, expected, new_k, \
-        new_v, slots
+    return {**inputs, "q": q, **pools}, expected, new_k, new_v, slots
 
 
-@pytest.mark.parametrize("kv_dtype,q_dtype,num_splits", [("float32", jnp.float32, 1), ("float32", jnp.float32, 3),
-                                                         ("bfloat16", jnp.bfloat16, 4)])
-def test_new_kv_written_into_the_pool_and_attended(kv_dtype, q_dtype, num_splits):
-    """new_kv: the kernel writes each live sequence's own K/V into its slot
+@pytest.mark.parametrize("kv_dtype,q_dtype,num_splits,num_queries,sliding_window", [
+    ("float32", jnp.float32, 1, 1, None), ("float32", jnp.float32, 3, 1, None), ("bfloat16", jnp.bfloat16, 4, 1, None),
+    ("float32", jnp.float32, 3, 3, None), ("float32", jnp.float32, 2, 4, 6)])
+def test_new_kv_written_into_the_pool_and_attended(kv_dtype, q_dtype, num_splits, num_queries, sliding_window):
+    """new_kv: the kernel writes each live sequence's own K/V (its last Q
+    positions: a decode step, or a verify step's rows) into their slots
     (exactly, nothing else in either pool changes: NaN poison included) and
-    attends to them as if they had been there (float64 truth); a context of
-    one key sees only its own, a padding sequence writes nothing."""
-    context_lens = [1, 37, 0, 9, 16]
-    inputs, expected, new_k, new_v, slots = new_kv_case(7, context_lens, kv_dtype, q_dtype)
-    out, k_pool, v_pool = paged_decode_attention(**inputs, num_splits=num_splits, new_kv=True, interpret=True)
-    assert out.shape == (5, 1, 6, 64) and out.dtype == q_dtype
+    attends to them as if they had been there (float64 truth, causal and
+    windowed among the new rows too); a context of Q keys sees only its own,
+    a padding sequence writes nothing."""
+    context_lens = [num_queries, 37, 0, 9, 16]
+    inputs, expected, new_k, new_v, slots = new_kv_case(7, context_lens, kv_dtype, q_dtype, num_queries,
+                                                        sliding_window=sliding_window)
+    out, k_pool, v_pool = paged_decode_attention(**inputs, num_splits=num_splits, sliding_window=sliding_window,
+                                                 new_kv=True, interpret=True)
+    assert out.shape == (5, num_queries, 6, 64) and out.dtype == q_dtype
     check_against_truth(out, expected, q_dtype)
     assert (np.asarray(out.astype(jnp.float32))[2] == 0).all()
     # float32 views: numpy compares NaN positions only for its own float types.
     want_k, want_v = (np.array(inputs[pool].astype(jnp.float32)) for pool in ("k_pool", "v_pool"))
-    live = [s for s, n in enumerate(context_lens) if n]
-    for s, (block, slot) in zip(live, slots):
-        want_k[LAYER, block, slot], want_v[LAYER, block, slot] = new_k[s, 0], new_v[s, 0]
+    for (s, j), (block, slot) in slots.items():
+        want_k[LAYER, block, slot], want_v[LAYER, block, slot] = new_k[s, j], new_v[s, j]
     np.testing.assert_array_equal(np.asarray(k_pool.astype(jnp.float32)), want_k)
     np.testing.assert_array_equal(np.asarray(v_pool.astype(jnp.float32)), want_v)
 
@@ -286,7 +291,7 @@ def test_new_kv_written_into_the_pool_and_attended(kv_dtype, q_dtype, num_splits
 def test_new_kv_lowers_to_triton_with_the_pools_in_place():
     """Cross-lowered for CUDA, the new_kv kernel is a Triton call whose pool
     outputs alias its pool inputs (written in place, never copied)."""
-    inputs, *_ = new_kv_case(8, [40, 9, 0], "bfloat16", jnp.bfloat16)
+    inputs, *_ = new_kv_case(8, [40, 9, 0], "bfloat16", jnp.bfloat16, num_queries=2)
     for num_splits in (1, 2):
         lowered = jax.jit(lambda i: paged_decode_attention(**i, num_splits=num_splits, new_kv=True)).trace(
             inputs).lower(lowering_platforms=("cuda",))

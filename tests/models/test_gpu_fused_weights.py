@@ -131,6 +131,31 @@ def test_engine_with_fused_weights_generates_as_transformers_and_adds_lora_per_p
         assert_logits_close(row, hf_logits(peft_model(hf_model, request.lora_path), prompt)[-1])
 
 
+def test_speculative_engine_on_the_gpu_backend_generates_as_transformers(tiny):
+    """n-gram drafts verified on the GPU backend (its verify kernel writes the
+    rows' K/V into the pool itself, Pallas in interpret mode): HF's greedy
+    tokens, with drafts proposed and some accepted (a repeating prompt)."""
+    hf_model, directory = tiny
+    model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend())
+    engine = LLMEngine(model, EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+                                           attention="pallas", background_compile=False,
+                                           speculative=dict(method="ngram", num_speculative_tokens=2, max_n=2,
+                                                            disable_by_batch_size=None, adaptive=False)),
+                       progress=False)
+    rng = np.random.default_rng(15)
+    motif = rng.integers(0, hf_model.config.vocab_size, 4).tolist()
+    prompts = [motif * 4, rng.integers(0, hf_model.config.vocab_size, 7).tolist()]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, prompt in enumerate(prompts):
+        assert list(done[str(i)].outputs[0].token_ids) == hf_greedy(hf_model, prompt, 8)
+    stats = engine.stats()
+    assert stats["spec_proposed_tokens"] > 0 and stats["spec_verifications"] > 0, stats
+
+
 # -- the decode step, cross-lowered for CUDA ----------------------------------------------------------
 CONFIG = ModelConfig(architecture="llama", vocab_size=160, hidden_size=64, intermediate_size=96, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
