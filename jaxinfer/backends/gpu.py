@@ -270,7 +270,7 @@ class GpuBackend(XlaBackend):
         return super().paged_attention(meta, sliding_window, decode, mesh)
 
     def verification_attention(self, meta: PagedAttentionMetadata, rows: int, sliding_window, mesh) -> AttentionFn:
-        """A verify step's the same way (paged_attention), `rows` per sequence."""
+        """A verify step's (`rows` per sequence) as a decode step's (paged_attention)."""
         if self.attention == "pallas" and mesh is None:
             return pallas_decode_over_pool(meta, sliding_window, self.interpret, rows)
         return super().verification_attention(meta, rows, sliding_window, mesh)
