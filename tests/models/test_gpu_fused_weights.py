@@ -98,6 +98,17 @@ def test_fused_model_matches_transformers(tiny, quantization):
     assert_logits_close(model.logits(tokens), hf_logits(reference, tokens))
 
 
+def assert_greedy_as_transformers(engine, hf_model, prompts, max_tokens):
+    """The engine's greedy tokens for `prompts`, generated together, are HF's."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for i, prompt in enumerate(prompts):
+        assert list(done[str(i)].outputs[0].token_ids) == hf_greedy(hf_model, prompt, max_tokens)
+
+
 def test_engine_with_fused_weights_generates_as_transformers_and_adds_lora_per_projection(tiny, tmp_path):
     """The engine on the fused float model: HF's greedy tokens (prefill
     chunks and decode steps, the Pallas attention in interpret mode); and
@@ -112,13 +123,7 @@ def test_engine_with_fused_weights_generates_as_transformers_and_adds_lora_per_p
                        progress=False)
     rng = np.random.default_rng(14)
     prompts = [rng.integers(0, hf_model.config.vocab_size, n).tolist() for n in (19, 6)]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
-    done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    for i, prompt in enumerate(prompts):
-        assert list(done[str(i)].outputs[0].token_ids) == hf_greedy(hf_model, prompt, 5)
+    assert_greedy_as_transformers(engine, hf_model, prompts, 5)
 
     adapters = {"qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
                 "kup": dict(r=8, lora_alpha=8, target_modules=["k_proj", "up_proj"])}
@@ -145,13 +150,7 @@ def test_speculative_engine_on_the_gpu_backend_generates_as_transformers(tiny):
     rng = np.random.default_rng(15)
     motif = rng.integers(0, hf_model.config.vocab_size, 4).tolist()
     prompts = [motif * 4, rng.integers(0, hf_model.config.vocab_size, 7).tolist()]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-    for i, prompt in enumerate(prompts):
-        assert list(done[str(i)].outputs[0].token_ids) == hf_greedy(hf_model, prompt, 8)
+    assert_greedy_as_transformers(engine, hf_model, prompts, 8)
     stats = engine.stats()
     assert stats["spec_proposed_tokens"] > 0 and stats["spec_verifications"] > 0, stats
 
