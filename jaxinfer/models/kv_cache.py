@@ -95,9 +95,8 @@ def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dty
     return jax.jit(lambda: pools(jnp.zeros), out_shardings=named(specs, mesh))()
 
 
-
-def kv_cache_shapes(config: ModelConfig, num_blocks: int, block_size: int, dtype, sharding, kv_cache_dtype: str = "auto",
-                    fp8_dtype=jnp.float8_e4m3fn):
+def kv_cache_shapes(config: ModelConfig, num_blocks: int, block_size: int, dtype, sharding,
+                    kv_cache_dtype: str = "auto", fp8_dtype=jnp.float8_e4m3fn):
     """allocate_kv_cache's pytree on one device as shapes placed by
     `sharding`, allocating nothing: what a step is compiled for before its
     pool exists (engine/early_compile.py) or with no device at all
@@ -105,6 +104,7 @@ def kv_cache_shapes(config: ModelConfig, num_blocks: int, block_size: int, dtype
     pools = jax.eval_shape(lambda: allocate_kv_cache(config, num_blocks, block_size, dtype, kv_cache_dtype,
                                                      fp8_dtype=fp8_dtype))
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), pools)
+
 
 def quantize_kv(x, storage_dtype):
     """x [..., head_dim] -> (q [..., head_dim] of storage_dtype, scales [...] float32).

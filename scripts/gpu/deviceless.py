@@ -86,14 +86,14 @@ def main():
     cache = kv_cache_shapes(config, max(lens) // block_size + 1, block_size, dtype, device)
     result = {"jax": jax.__version__, "target": topology.devices[0].device_kind, "layers": args.layers,
               "xla_options": options, "steps": []}
-    step = f"verify step ({args.verify_rows} rows a sequence)" if args.verify_rows > 1 else "decode step"
+    rows = max(1, args.verify_rows)
+    layout = "verify" if rows > 1 else "decode"
+    step = f"verify step ({rows} rows a sequence)" if rows > 1 else "decode step"
     print(f"{step} of the 8B-shaped model, {args.layers} layers, compiled for {result['target']} with no GPU")
     print(f"{'max_model_len':>13} {'batch':>5} {'kernels':>7} {'per layer':>9} {'weight copies':>13} "
           f"{'attention writes MiB':>20} {'compile s':>9}")
     for max_model_len in lens:
         for batch in (int(b) for b in args.batches.split(",")):
-            rows = max(1, args.verify_rows)
-            layout = "verify" if rows > 1 else "decode"
             inputs = build_inputs([], [], [], [], num_tokens=batch * rows, num_seqs=batch, layout=layout,
                                   block_size=block_size, max_blocks_per_seq=max_model_len // block_size)
             step_inputs = placed(jax.tree.map(np.asarray, tuple(inputs[:3])), device)
