@@ -93,7 +93,8 @@ fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if has pallas; then
   part pallas_tests "${T_pallas:-100}" env JAXINFER_DISABLE_COMPILATION_CACHE=1 python3 -m pytest -q --tb=short -p tests.gpu_plugin -p no:cacheprovider \
-    tests/kernels/test_pallas_decode_attention.py tests/kernels/test_pallas_prefill_attention.py tests/kernels/test_pallas_quantized_matmul.py
+    tests/kernels/test_pallas_decode_attention.py tests/kernels/test_pallas_prefill_attention.py tests/kernels/test_pallas_quantized_matmul.py \
+    tests/kernels/test_pallas_rms_norm.py
 fi
 if has kernels; then
   part bench_kernels "${T_kernels:-60}" python3 scripts/bench_kernels.py --iters 10 --json "$OUT/bench_kernels.json"

@@ -35,5 +35,7 @@ def choose_backend(mesh=None, allow_tf32: bool = False) -> XlaBackend:
     once the dtype is known)."""
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     cls = backend_class(platform)
-    fields = {"native": mesh is None} if cls is CpuBackend else {}  # GSPMD cannot split a custom call
+    # GSPMD cannot split a custom call: the backends' own kernels run on one device only.
+    one_device_only = {CpuBackend: "native", GpuBackend: "residual_in_norm"}.get(cls)
+    fields = {one_device_only: mesh is None} if one_device_only else {}
     return cls(allow_tf32=allow_tf32, **fields)

@@ -67,12 +67,14 @@ def over_paged_pool(meta: PagedAttentionMetadata, kernel, rows: int | None = Non
 
 
 def pallas_decode_over_pool(meta: PagedAttentionMetadata, sliding_window, interpret: bool,
-                            rows: int | None = None) -> AttentionFn:
+                            rows: int | None = None, split_seqs: int | None = None) -> AttentionFn:
     """A decode step's attention (one new token per sequence; rows=R: a
     verify step's R per sequence), on one device, by the Pallas decode
     kernel writing the step's K/V into a float pool itself; an int8 / fp8
-    pool (its scales computed in XLA) as over_paged_pool."""
-    from pallas_kernels.paged_decode_attention import paged_decode_attention
+    pool (its scales computed in XLA) as over_paged_pool. split_seqs: the
+    sequences the kernel's splits are sized for (default_num_splits; None:
+    the step's)."""
+    from pallas_kernels.paged_decode_attention import default_num_splits, paged_decode_attention
 
     written_first = over_paged_pool(meta, pallas_kernel(meta, sliding_window, rows is None, rows, interpret, None),
                                     rows)
@@ -86,9 +88,10 @@ def pallas_decode_over_pool(meta: PagedAttentionMetadata, sliding_window, interp
         # [1, T, H + 2 KV, D] -> [S, R, ...]: each row's q heads, then its k's, then its v's.
         qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=2)
         qkv = qkv.reshape(num_tokens // per_seq, per_seq, -1, head_dim)
+        splits = None if split_seqs is None else default_num_splits(split_seqs, k_pool.shape[3])
         out, k_pool, v_pool = paged_decode_attention(qkv, k_pool, v_pool, layer_index, meta.block_tables,
                                                      meta.context_lens, sliding_window=sliding_window, new_kv=True,
-                                                     interpret=interpret)
+                                                     num_splits=splits, interpret=interpret)
         return out.reshape(1, num_tokens, num_heads, head_dim).astype(q.dtype), (k_pool, v_pool)
 
     return attend

@@ -44,6 +44,7 @@ from jaxinfer.backends.attention import pallas_decode_over_pool
 from jaxinfer.backends.xla import XlaBackend
 from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.paged_attention import PagedAttentionMetadata
+from jaxinfer.models.residual import Residual
 from jaxinfer.quant.fused_columns import FusedColumns, FusedPart, fused_key
 from jaxinfer.quant.layer_weights import PerLayer
 from jaxinfer.quant.linear import linear
@@ -59,6 +60,28 @@ from jaxinfer.utils import powers_of_two
 # re-reading the dequantized copy). Past 64 rows the dot's efficiency
 # decides, where XLA's GEMM is the safer choice. Not yet timed on a GPU.
 PALLAS_MAX_ROWS = 64
+
+# The smallest decode bucket (decode_buckets): a lone sequence's.
+SMALLEST_DECODE_BUCKET = 4
+
+# Rows up to which a decode step's wo and w_down leave their split-K partial
+# sums to the next norm's kernel (linear_parts). Splitting K gives a GEMM of
+# few rows enough programs to read its weight at full bandwidth; its float32
+# partials ([k, rows, hidden]) grow with the rows, and past 64 rows the GEMM
+# has programs enough without the split.
+SPLIT_K_MAX_ROWS = 64
+
+
+def split_k(inner: int) -> int:
+    """How many slices linear_parts cuts an inner dimension into: up to 8
+    (XLA's own split for 8B's wo and w_down at decode sizes), each of at
+    least 512 (a slice's GEMM reads its weight rows in long runs), dividing
+    it exactly; 1 for a small model's."""
+    k = 8
+    while k > 1 and (inner % k or inner // k < 512):
+        k //= 2
+    return k
+
 
 # The weights a layer multiplies on the same input, in the order the model
 # asks for them (backend.linears in models/llama.py and models/moe.py).
@@ -142,6 +165,11 @@ class GpuBackend(XlaBackend):
     async_scheduling: ClassVar[bool] = True
 
     attention: str = "pallas"
+    # Whether a decode step adds wo's and w_down's outputs to the residual
+    # stream in the next norm's Pallas kernel (linear_parts): off on a mesh,
+    # where GSPMD cannot split a custom call and would gather the partial
+    # sums whole to every device.
+    residual_in_norm: bool = True
 
     def select_by_layer(self, layer_index, layers: tuple[int, ...], chosen, other):
         """The unrolled loop hands a concrete layer index: choose while
@@ -167,11 +195,23 @@ class GpuBackend(XlaBackend):
         return {"xla_gpu_dot_merger_threshold_mb": 0, "xla_disable_hlo_passes": "rematerialization"}
 
     def decode_buckets(self, max_num_seqs: int) -> list[int]:
-        """Powers of four (and the largest): each is a whole unrolled model to
-        compile, and a decode step is bound by reading the weights, which
-        padding rows do not add to (a padding row attends to no keys)."""
+        """Powers of four from SMALLEST_DECODE_BUCKET (and the largest): each
+        is a whole unrolled model to compile, and a decode step is bound by
+        reading the weights, which padding rows do not add to (a padding row
+        attends to no keys). A lone sequence runs in four rows, with the
+        GEMMs and norms of several rows (linear_parts says why one row is
+        another path)."""
         sizes = powers_of_two(1, max_num_seqs)
-        return [n for n in sizes if n.bit_length() % 2 == 1 or n == sizes[-1]]
+        return [n for n in sizes if (n >= SMALLEST_DECODE_BUCKET and n.bit_length() % 2 == 1) or n == sizes[-1]]
+
+    @staticmethod
+    def _split_seqs(meta: PagedAttentionMetadata) -> int:
+        """The sequences a decode or verify step's attention sizes its splits
+        for: one in the smallest bucket, which is a lone sequence's (its 32
+        splits with 8 KV heads fill the GPU on a long context, where the
+        bucket's four would give it 8); else the bucket's."""
+        seqs = meta.context_lens.shape[0]
+        return 1 if seqs <= SMALLEST_DECODE_BUCKET else seqs
 
     def mixed_seq_buckets(self, num_tokens: int, seq_buckets: list[int]) -> list[int]:
         """One sequence bucket per token bucket (as many as it has tokens, up
@@ -259,6 +299,41 @@ class GpuBackend(XlaBackend):
         return jax.lax.platform_dependent(x, weight, cuda=functools.partial(pallas_rms_norm, eps=eps),
                                           default=functools.partial(super().rms_norm, eps=eps))
 
+    def linear_parts(self, x, w):
+        """x @ w for a step of 2 to SPLIT_K_MAX_ROWS rows (decode, verify) and
+        a float weight (wo, w_down; not quantized, not on a mesh) as the
+        float32 partial sums of split_k(in) slices of the inner dimension,
+        for add_rms_norm's kernel to add: the split-K XLA makes of such a GEMM
+        by itself, its reduction moved into the norm's kernel. One row stays
+        XLA's: it rewrites a one-row batched dot into a reduction over a
+        transposed float32 copy of the weight (decode_buckets runs a lone
+        sequence in four rows)."""
+        rows = math.prod(x.shape[:-1])
+        if not (self.residual_in_norm and isinstance(w, jax.Array) and w.ndim == 2
+                and jnp.issubdtype(w.dtype, jnp.floating) and 2 <= rows <= SPLIT_K_MAX_ROWS):
+            return None
+        k = split_k(w.shape[0])
+        if k == 1:
+            return jnp.matmul(x, w, preferred_element_type=jnp.float32)[None]
+        parts = jnp.einsum("rki,kio->kro", x.reshape(rows, k, -1), w.reshape(k, -1, w.shape[1]),
+                           preferred_element_type=jnp.float32)
+        return parts.reshape(k, *x.shape[:-1], w.shape[1])
+
+    def add_rms_norm(self, x, weight, eps: float):
+        """A Residual's partial sums added to its stream and the sum normed in
+        one Pallas kernel (pallas_kernels/rms_norm.py); platforms as
+        rms_norm. An array: rms_norm."""
+        if not isinstance(x, Residual):
+            return x, self.rms_norm(x, weight, eps)
+        from pallas_kernels.rms_norm import add_rms_norm as pallas_add_rms_norm
+
+        if self.interpret:
+            return pallas_add_rms_norm(x.stream, x.parts, weight, eps, interpret=True)
+        xla = super().add_rms_norm
+        return jax.lax.platform_dependent(x.stream, x.parts, weight,
+                                          cuda=functools.partial(pallas_add_rms_norm, eps=eps),
+                                          default=lambda stream, parts, w: xla(Residual(stream, parts), w, eps))
+
     def paged_attention(self, meta: PagedAttentionMetadata, sliding_window, decode: bool, mesh) -> AttentionFn:
         """A decode step's Pallas attention on one device takes q, k and v as
         one array and writes k and v into a float pool itself
@@ -266,13 +341,13 @@ class GpuBackend(XlaBackend):
         and q, k and v come out of one fusion. Needs rematerialization off
         (compiler_options says why)."""
         if self.attention == "pallas" and decode and mesh is None:
-            return pallas_decode_over_pool(meta, sliding_window, self.interpret)
+            return pallas_decode_over_pool(meta, sliding_window, self.interpret, split_seqs=self._split_seqs(meta))
         return super().paged_attention(meta, sliding_window, decode, mesh)
 
     def verification_attention(self, meta: PagedAttentionMetadata, rows: int, sliding_window, mesh) -> AttentionFn:
         """A verify step's (`rows` per sequence) as a decode step's (paged_attention)."""
         if self.attention == "pallas" and mesh is None:
-            return pallas_decode_over_pool(meta, sliding_window, self.interpret, rows)
+            return pallas_decode_over_pool(meta, sliding_window, self.interpret, rows, self._split_seqs(meta))
         return super().verification_attention(meta, rows, sliding_window, mesh)
 
     def linear(self, x, w):

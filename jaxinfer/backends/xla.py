@@ -42,6 +42,7 @@ from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.layers import rms_norm
 from jaxinfer.models.llama import param_shapes
 from jaxinfer.models.paged_attention import PagedAttentionMetadata
+from jaxinfer.models.residual import settled
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import grouped_linear, linear
 from jaxinfer.quant.mixed_stack import MixedStack
@@ -291,6 +292,18 @@ class XlaBackend:
     def rms_norm(self, x, weight, eps: float):
         """A layer's or the final RMSNorm of the residual stream x [..., hidden]."""
         return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, weight, eps: float):
+        """The residual stream x (an array, or a Residual: models/residual.py)
+        -> (x as an array, its rms_norm)."""
+        x = settled(x)
+        return x, self.rms_norm(x, weight, eps)
+
+    def linear_parts(self, x, w):
+        """x @ w as float32 partial sums [k, ..., out] for the next
+        add_rms_norm to add (models/residual.py), or None: take linear's
+        result. None here: XLA's own GEMM and add."""
+        return None
 
     def logits(self, params: dict, hidden) -> jax.Array:
         """Hidden states [..., hidden] -> float32 vocabulary logits: the head

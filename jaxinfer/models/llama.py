@@ -58,6 +58,7 @@ from jaxinfer.models.attention import AttentionFn
 from jaxinfer.models.layers import apply_rope, rms_norm, rotary_tables
 from jaxinfer.models.lora import lora_delta
 from jaxinfer.models.moe import moe_mlp, moe_param_shapes
+from jaxinfer.models.residual import Residual, settled
 from jaxinfer.quant.input_order import input_groups
 
 
@@ -115,38 +116,53 @@ def adapted_linears(x, p: dict, keys, lora_slots=None, *, backend) -> list:
 
 def decoder_layer(p: dict, config: ModelConfig, x, rope, attention: AttentionFn, kv_cache, layer_index,
                   lora_slots=None, *, backend):
-    """One transformer block over x [B, T, hidden] with one layer's weights `p`
-    (the per-layer dicts above without the leading L axis, in the form the
-    backend's run_layers hands them); returns (x, kv_cache). rope: the
-    step's rotary tables (models/layers.py, rotary_tables).
+    """One transformer block over the residual stream x [B, T, hidden] with
+    one layer's weights `p` (the per-layer dicts above without the leading
+    L axis, in the form the backend's run_layers hands them); returns (x,
+    kv_cache). x, in and out, is an array or a Residual (models/residual.py:
+    the last projection left for the next norm to add; settled() makes it
+    an array). rope: the step's rotary tables (models/layers.py,
+    rotary_tables).
     lora_slots: None, or each row's adapter slot int32 [B, T] (lora/slots.py).
     Shared by the model body and the EAGLE draft head (engine/spec/eagle_head.py)."""
     c = config
-    h = backend.rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+    x, h = backend.add_rms_norm(x, p["attn_norm"], c.rms_norm_eps)
     values, kv_cache = attention_values(p, c, h, rope, attention, kv_cache, layer_index, lora_slots,
                                         backend=backend)
-    x = x + adapted_linear(values, p, "wo", lora_slots, backend=backend)
-    h = backend.rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-    return x + feed_forward(p, c, h, layer_index, lora_slots, backend=backend), kv_cache
+    x, h = backend.add_rms_norm(projected(x, values, p, "wo", lora_slots, backend=backend), p["mlp_norm"],
+                                c.rms_norm_eps)
+    return feed_forward(p, c, x, h, layer_index, lora_slots, backend=backend), kv_cache
 
 
-def feed_forward(p: dict, config: ModelConfig, h, layer_index, lora_slots=None, *, backend):
-    """The MLP of one layer on its normed input h: the dense one, or the
-    routed experts (models/moe.py), or for a model that mixes them the one
-    of this layer's kind (see the module docstring)."""
+def projected(x, inputs, p: dict, key: str, lora_slots=None, *, backend):
+    """The residual stream x plus inputs @ p[key] (a layer's wo or w_down,
+    adapted): a Residual where the backend leaves the add to the next norm's
+    kernel (backend.linear_parts), else the sum."""
+    if lora_slots is None:
+        parts = backend.linear_parts(inputs, p[key])
+        if parts is not None:
+            return Residual(x, parts)
+    return x + adapted_linear(inputs, p, key, lora_slots, backend=backend)
+
+
+def feed_forward(p: dict, config: ModelConfig, x, h, layer_index, lora_slots=None, *, backend):
+    """The residual stream x after one layer's MLP on its normed input h:
+    the dense one, or the routed experts (models/moe.py), or for a model
+    that mixes them the one of this layer's kind (see the module docstring)."""
     c = config
 
     def dense():
-        return adapted_linear(mlp_hidden(p, h, lora_slots, backend=backend), p, "w_down", lora_slots, backend=backend)
+        return projected(x, mlp_hidden(p, h, lora_slots, backend=backend), p, "w_down", lora_slots, backend=backend)
 
     def sparse():
-        return moe_mlp(p, c, h, backend=backend)
+        return x + moe_mlp(p, c, h, backend=backend)
 
     if not c.num_experts:
         return dense()
     if not c.dense_layers:
         return sparse()
-    return backend.select_by_layer(layer_index, tuple(c.dense_layers), dense, sparse)
+    # Both kinds' results must be alike to select between them: arrays.
+    return backend.select_by_layer(layer_index, tuple(c.dense_layers), lambda: settled(dense()), sparse)
 
 
 def attention_values(p: dict, config: ModelConfig, h, rope, attention: AttentionFn, kv_cache,
@@ -210,8 +226,8 @@ def forward(params: dict, config: ModelConfig, tokens, positions, attention: Att
 
     x, kv_cache = backend.run_layers(layer, (x, kv_cache), params["layers"], c.num_layers)
     if not final_norm:
-        return x, kv_cache
-    return backend.rms_norm(x, params["final_norm"], c.rms_norm_eps), kv_cache
+        return settled(x), kv_cache
+    return backend.add_rms_norm(x, params["final_norm"], c.rms_norm_eps)[1], kv_cache
 
 
 def embed_tokens(params: dict, tokens):

@@ -90,11 +90,14 @@ def main():
     layout = "verify" if rows > 1 else "decode"
     step = f"verify step ({rows} rows a sequence)" if rows > 1 else "decode step"
     print(f"{step} of the 8B-shaped model, {args.layers} layers, compiled for {result['target']} with no GPU")
-    print(f"{'max_model_len':>13} {'batch':>5} {'kernels':>7} {'per layer':>9} {'weight copies':>13} "
+    print(f"{'max_model_len':>13} {'batch':>5} {'bucket':>6} {'kernels':>7} {'per layer':>9} {'weight copies':>13} "
           f"{'attention writes MiB':>20} {'compile s':>9}")
+    buckets = backend.decode_buckets(backend.max_num_seqs)
     for max_model_len in lens:
         for batch in (int(b) for b in args.batches.split(",")):
-            inputs = build_inputs([], [], [], [], num_tokens=batch * rows, num_seqs=batch, layout=layout,
+            # The program the engine runs a batch of this many sequences in (padded to its decode bucket).
+            seqs = min(b for b in buckets if b >= batch)
+            inputs = build_inputs([], [], [], [], num_tokens=seqs * rows, num_seqs=seqs, layout=layout,
                                   block_size=block_size, max_blocks_per_seq=max_model_len // block_size)
             step_inputs = placed(jax.tree.map(np.asarray, tuple(inputs[:3])), device)
             start = time.perf_counter()
@@ -105,10 +108,11 @@ def main():
             if args.hlo_dir:
                 Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
                 Path(args.hlo_dir, f"{layout}_{max_model_len}_{batch}.hlo").write_text(text)
-            report = {"max_model_len": max_model_len, "batch": batch, "compile_s": seconds,
+            report = {"max_model_len": max_model_len, "batch": batch, "bucket": seqs, "compile_s": seconds,
                       **step_report(text, args.layers, DECODE_ATTENTION)}
             result["steps"].append(report)
-            print(f"{max_model_len:>13} {batch:>5} {report['kernels']:>7} {report['kernels_per_layer']:>9.2f} "
+            print(f"{max_model_len:>13} {batch:>5} {seqs:>6} {report['kernels']:>7} "
+                  f"{report['kernels_per_layer']:>9.2f} "
                   f"{report['weight_copies']:>13} {report['attention_bytes_written'] / 2**20:>20.2f} {seconds:>9.1f}",
                   flush=True)
             Path(args.json).write_text(json.dumps(result, indent=1))

@@ -21,8 +21,9 @@ from jaxinfer.engine.inputs import build_inputs
 from jaxinfer.engine.programs import forward_step
 from jaxinfer.models.kv_cache import allocate_kv_cache
 from jaxinfer.models.llama import param_shapes
+from jaxinfer.models.residual import Residual
 from jaxinfer.quant.layer_weights import PerLayer
-from jaxinfer.quant.params import LINEAR_KEYS, quantize_params
+from jaxinfer.quant.params import LINEAR_KEYS, quantize_params, quantize_weight
 from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model, save_hf_model
 
 # Distinct sizes, so that a stacked weight's shape names it in the module text.
@@ -62,6 +63,22 @@ def weights_read_in_place(text: str, op: str) -> int:
     """How many `op`s (a dot_general, or a call of the Pallas matmul) take a
     weight straight from the program's arguments (%argN), not a copy."""
     return len(re.findall(rf"{op}\(?%[\w#]+, %arg\d+[,)]", text))
+
+
+def branches_on_data(text: str) -> list[str]:
+    """The conditionals (stablehlo.case or .if) of a lowered program that
+    choose by a computed value: not those jax.lax.platform_dependent lowers
+    to (the GPU backend's Pallas norms), which choose by a constant, the
+    platform's index, or by such a choice."""
+    fixed = set(re.findall(r"(%\w+) = stablehlo\.constant", text))
+    found = []
+    for line in text.splitlines():
+        match = re.search(r'(%\w+)(?::\d+)? = "stablehlo\.(?:case|if)"\((%\w+)\)', line)
+        if match and match.group(2) in fixed:
+            fixed.add(match.group(1))
+        elif match or "stablehlo.if" in line:
+            found.append(line)
+    return found
 
 
 def test_gpu_decode_step_reads_each_layer_weight_in_place():
@@ -146,6 +163,30 @@ def test_gpu_backend_model_matches_transformers(tiny):
     assert_logits_close(model.logits(tokens), hf_logits(hf_model, tokens))
 
 
+def test_gpu_backend_leaves_a_projections_sum_to_the_norm():
+    """A decode step's wo or w_down on the GPU backend: float32 partial sums
+    over 8 slices of a 4,096-wide input (linear_parts), added to the stream
+    in the norm's kernel (add_rms_norm, interpret mode): the stream and its
+    norm are float64's x + inputs @ w and HF's RMSNorm of it. One row, or a
+    quantized weight, is left to XLA (None)."""
+    backend = GpuBackend(interpret=True).with_dtype(jnp.float32)
+    rng = np.random.default_rng(5)
+    inputs = rng.standard_normal((1, 4, 4096)).astype(np.float32)
+    w = (rng.standard_normal((4096, 96)) / 64).astype(np.float32)
+    x = rng.standard_normal((1, 4, 96)).astype(np.float32)
+    norm = (1 + 0.1 * rng.standard_normal(96)).astype(np.float32)
+    with backend.precision():
+        parts = backend.linear_parts(jnp.asarray(inputs), jnp.asarray(w))
+        assert parts.shape == (8, 1, 4, 96) and parts.dtype == jnp.float32
+        stream, normed = backend.add_rms_norm(Residual(jnp.asarray(x), parts), jnp.asarray(norm), 1e-6)
+        assert backend.linear_parts(jnp.asarray(inputs[:, :1]), jnp.asarray(w)) is None
+        assert backend.linear_parts(jnp.asarray(inputs), quantize_weight(jnp.asarray(w), "int8")) is None
+    expected = x.astype(np.float64) + inputs.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(stream), expected, rtol=1e-5, atol=1e-5)
+    rms = np.sqrt((expected * expected).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(np.asarray(normed), norm * expected / rms, rtol=1e-5, atol=1e-5)
+
+
 # -- mixtures of experts ------------------------------------------------------------------------------
 MOE_CONFIG = ModelConfig(architecture="qwen2_moe", vocab_size=160, hidden_size=64, intermediate_size=96, num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128, num_experts=6,
@@ -171,7 +212,7 @@ def test_gpu_decode_step_multiplies_only_the_selected_experts():
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     sparse_layers = len(MOE_CONFIG.sparse_layers)
     assert weights_read_in_place(text, r"call @expert_matmul\w*") == 3 * sparse_layers
-    assert "ragged" not in text and "stablehlo.case" not in text and "stablehlo.if" not in text
+    assert "ragged" not in text and not branches_on_data(text)
 
 
 def test_gpu_backend_moe_matches_transformers(tmp_path):

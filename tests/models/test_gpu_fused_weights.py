@@ -139,10 +139,12 @@ def test_engine_with_fused_weights_generates_as_transformers_and_adds_lora_per_p
 def test_speculative_engine_on_the_gpu_backend_generates_as_transformers(tiny):
     """n-gram drafts verified on the GPU backend (its verify kernel writes the
     rows' K/V into the pool itself, Pallas in interpret mode): HF's greedy
-    tokens, with drafts proposed and some accepted (a repeating prompt)."""
+    tokens, with drafts proposed and some accepted (a repeating prompt).
+    Two sequences in the smallest decode bucket (four: two padding
+    sequences beside them, the splits sized for a lone sequence)."""
     hf_model, directory = tiny
     model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend())
-    engine = LLMEngine(model, EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+    engine = LLMEngine(model, EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                                            attention="pallas", background_compile=False,
                                            speculative=dict(method="ngram", num_speculative_tokens=2, max_n=2,
                                                             disable_by_batch_size=None, adaptive=False)),
@@ -153,6 +155,7 @@ def test_speculative_engine_on_the_gpu_backend_generates_as_transformers(tiny):
     assert_greedy_as_transformers(engine, hf_model, prompts, 8)
     stats = engine.stats()
     assert stats["spec_proposed_tokens"] > 0 and stats["spec_verifications"] > 0, stats
+    assert engine.runner.decode_buckets == [4]
 
 
 # -- the decode step, cross-lowered for CUDA ----------------------------------------------------------
@@ -191,8 +194,9 @@ def test_decode_step_reads_each_fused_group_once(scheme):
     and the Pallas matmul (a Triton custom call) for a quantized one, in
     place (w8a8: its codes by one int8 dot); the step holds no separate
     q/k/v, gate or up weight and copies or concatenates no weight. So a
-    layer runs 4 GEMMs (q|k|v, wo, gate|up, w_down), not 7; and no
-    scatter writes the KV pool (the attention kernel does)."""
+    layer runs 4 GEMMs (q|k|v, wo, gate|up, w_down), not 7; no scatter
+    writes the KV pool (the attention kernel does); and a float model's
+    residual adds are in its norms' kernels."""
     params = random_params() if scheme is None else quantize_params(random_params(), scheme, 32 if scheme == "int4"
                                                                      else None)
     text = lowered_decode_hlo(params)
@@ -215,7 +219,10 @@ def test_decode_step_reads_each_fused_group_once(scheme):
     per_layer = 4 * CONFIG.num_layers
     # One Pallas decode kernel per layer, and the kernel merging its splits where it has several.
     attention = CONFIG.num_layers * (2 if default_num_splits(NUM_SEQS, CONFIG.num_kv_heads) > 1 else 1)
-    assert counts["custom-call __gpu$xla.gpu.triton"] == attention + (per_layer if pallas else 0)
+    # A float wo or w_down leaves its sum to the next norm's kernel (models/residual.py): each norm but the
+    # first layer's attention norm is one (the final norm's add stays XLA's: the step returns the stream).
+    norms = 2 * CONFIG.num_layers - 1 if scheme is None else 0
+    assert counts["custom-call __gpu$xla.gpu.triton"] == attention + (per_layer if pallas else 0) + norms
     # The decode kernel writes the step's K/V into the (float) pool itself: no scatter does.
     assert counts["scatter"] == 0 and counts["dynamic-update-slice"] == 0
     if not pallas:

@@ -48,6 +48,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import attention_reference
 from jaxinfer.models.layers import rms_norm, rotary_tables
 from jaxinfer.models.llama import decoder_layer, embed_tokens
+from jaxinfer.models.residual import settled
 
 # The head trained for the embedded default model (scripts/train_draft_head.py).
 DEFAULT_HEAD = Path(__file__).resolve().parents[3] / "checkpoints" / "eagle-smollm2-135m-instruct.safetensors"
@@ -102,8 +103,9 @@ def head_features(head: dict, target_params: dict, config: ModelConfig, tokens, 
         x = embed_tokens(target_params, tokens)
         x = backend.linear(jnp.concatenate([x, features.astype(x.dtype)], axis=-1), _in_dtype(head["fc"], x.dtype))
         layer = {k: _in_dtype(w, x.dtype) for k, w in head["layer"].items()}
-        return decoder_layer(layer, config, x, rotary_tables(config, positions), attention, kv_cache, 0,
-                             backend=backend)
+        x, kv_cache = decoder_layer(layer, config, x, rotary_tables(config, positions), attention, kv_cache, 0,
+                                    backend=backend)
+        return settled(x), kv_cache
 
 
 def _in_dtype(w, dtype):
