@@ -37,8 +37,8 @@ Algorithm:
     table sized for max_model_len costs nothing but its own bytes, and needs no
     padding (block-table reads past its last column are clamped; the keys they
     would serve lie past the context and are masked). Splits left without a
-    tile (context shorter than num_splits tiles) run zero iterations and
-    report lse = -inf.
+    tile (context shorter than num_splits tiles) run zero iterations,
+    report lse = -inf and write no partial output.
   * Inside a split, an online softmax walks tiles of blocks_per_tile blocks.
     The tile's per-token block ids are assembled from scalar block-table reads,
     and K/V rows are gathered straight out of the full pool at
@@ -304,7 +304,10 @@ def _decode_kernel(
     if lse_ref is None:
         plt.store(out_ref.at[seq, row_queries, row_heads, row_features], out, mask=live_rows)
     else:
-        plt.store(out_ref.at[seq, split, row_queries, row_heads, row_features], out, mask=live_rows)
+        # A row that saw no key in this split (a split past a short context, a padding sequence) writes no
+        # partial output: its lse of -inf tells the merge not to read it.
+        plt.store(out_ref.at[seq, split, row_queries, row_heads, row_features], out,
+                  mask=live_rows & has_keys[:, None])
         lse = jnp.where(has_keys, row_max + jnp.log(jnp.where(has_keys, row_sum, 1.0)), -jnp.inf)
         plt.store(lse_ref.at[seq, split, row_query, row_head], lse, mask=row_live)
 
@@ -372,7 +375,8 @@ def _merge_kernel(out_ref, lse_ref, merged_ref, *, num_splits: int, num_heads: i
     output's dtype. In one kernel because XLA runs the same merge in jnp as
     four (a max, two sums of different shapes, the division and cast): on a
     GPU each is a launch per layer. The splits are padded to a power of two
-    in registers; the padding's indices are masked, never read."""
+    in registers; the padding's indices are masked, never read, as are
+    the splits that saw no key (lse -inf: they wrote no output)."""
     seq, row = pl.program_id(0), pl.program_id(1)
     query, head = row // num_heads, row % num_heads
     head_dim = out_ref.shape[-1]
@@ -386,7 +390,7 @@ def _merge_kernel(out_ref, lse_ref, merged_ref, *, num_splits: int, num_heads: i
     features = jnp.arange(head_dim, dtype=jnp.int32)
     parts = plt.load(
         out_ref.at[seq, jnp.broadcast_to(split[:, None], shape), query, head, jnp.broadcast_to(features[None], shape)],
-        mask=jnp.broadcast_to(live[:, None], shape), other=0.0,
+        mask=jnp.broadcast_to((live & (lse > -jnp.inf))[:, None], shape), other=0.0,
     )
     merged = jnp.sum(parts * weights[:, None], axis=0) / jnp.where(total > 0.0, total, 1.0)
     plt.store(merged_ref.at[seq, query, head, features], merged.astype(merged_ref.dtype))
@@ -395,8 +399,9 @@ def _merge_kernel(out_ref, lse_ref, merged_ref, *, num_splits: int, num_heads: i
 def merge_splits(partial_out, partial_lse, dtype, interpret: bool = False):
     """The log-sum-exp merge over axis 1 (splits) of the partial outputs
     [S, splits, Q, H, D] by their log-sum-exps [S, splits, Q, H] -> [S, Q,
-    H, D] in `dtype`. Splits and rows with no keys (lse = -inf) weigh 0 and
-    an all-empty row gives 0, never NaN."""
+    H, D] in `dtype`. Splits and rows with no keys (lse = -inf) weigh 0,
+    their outputs not read (the kernel leaves them unwritten), and an
+    all-empty row gives 0, never NaN."""
     num_seqs, num_splits, num_queries, num_heads, head_dim = partial_out.shape
     whole = pl.BlockSpec()
     return pl.pallas_call(
