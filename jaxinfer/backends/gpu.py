@@ -21,8 +21,10 @@ a few rows.
                reads its own expert only; XLA's ragged_dot reads them all); attention through the Pallas
                decode and prefill kernels (attention "pallas", the default
                here: backends/attention.py; a decode step's kernel writes
-               the step's K/V into the pool itself); a one-row RMSNorm through
-               pallas_kernels/rms_norm.py; everything else XLA's.
+               the step's K/V into the pool itself); RMSNorm through
+               pallas_kernels/rms_norm.py for one row, and at decode sizes
+               with wo's or w_down's split-K partial sums added in the same
+               kernel (linear_parts, add_rms_norm); everything else XLA's.
   settings     float32 dots at full precision unless TF32 is asked for
                (with_dtype), wide default batches, a small compile grid
                compiled 8 programs at a time, no lax.cond in the sampler,
