@@ -221,10 +221,12 @@ def step_report(text: str, num_layers: int, attention_scope: str) -> dict:
 
 def bytes_written(text: str, name_contains: str) -> tuple[int, list[str]]:
     """(bytes the kernels whose op_name contains `name_contains` write, one
-    line per kernel). A kernel's output shape is what it writes, except an
-    in-place update: a fusion's reports its whole buffer; a custom call's
-    outputs aliased to its operands (a Pallas kernel writing rows of a pool
-    it was given) are left out, the rows it stores there unknown to the HLO."""
+    line per kernel). A kernel's output shape is what it writes at most: a
+    Pallas kernel may mask stores away (the decode kernel's splits that see
+    no key write nothing), which the HLO does not show. An in-place update:
+    a fusion's reports its whole buffer; a custom call's outputs aliased to
+    its operands (a Pallas kernel writing rows of a pool it was given) are
+    left out, the rows it stores there unknown to the HLO."""
     kernels = [i for i in parse(text).kernels() if name_contains in i.op_name]
     return sum(_fresh_output_bytes(i) for i in kernels), [f"{i.name} {i.opcode} {i.shape}" for i in kernels]
 

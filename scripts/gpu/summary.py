@@ -46,8 +46,8 @@ def compiled_lines(label: str, run: dict) -> list[str]:
         kinds = ", ".join(f"{op} {n}" for op, n in counts.items())
         copies = report["weight_copies"]
         lines.append(f"{label} compiled decode step (bucket {report['bucket']}): {report['kernels_per_layer']:.1f} "
-                     f"kernels per layer; attention writes {report['attention_bytes_written'] / 2**20:.1f} MiB per "
-                     f"step; weight copies/concatenates {copies}"
+                     f"kernels per layer; attention output buffers {report['attention_bytes_written'] / 2**20:.1f} MiB "
+                     f"per step (at most what it writes); weight copies/concatenates {copies}"
                      + (f" (first: {report['weight_copy_lines'][0]})" if copies else "")
                      + f"; XLA's bytes accessed {report['xla_bytes_accessed'] / 1e9:.2f} GB")
         if key == _batches(run, "compiled_b")[0]:
