@@ -286,20 +286,22 @@ class GpuBackend(XlaBackend):
         y = self.linear(x, fused.weight)
         return jnp.split(y, np.cumsum(fused.sizes)[:-1].tolist(), axis=-1)
 
+    def _norm_kernel(self, kernel, xla, *args, eps: float):
+        """kernel(*args, eps) (pallas_kernels/rms_norm.py) compiled for a GPU,
+        in interpret mode where this backend interprets Pallas; lowered for
+        another platform (a CPU test of this layout), xla(*args)."""
+        if self.interpret:
+            return kernel(*args, eps, interpret=True)
+        return jax.lax.platform_dependent(*args, cuda=functools.partial(kernel, eps=eps), default=xla)
+
     def rms_norm(self, x, weight, eps: float):
-        """One row (a batch-1 decode step) through the Pallas kernel
-        (pallas_kernels/rms_norm.py): XLA runs a single row's norm as two
-        kernels, several rows as one. Compiled for a GPU, in interpret mode
-        where this backend interprets Pallas; lowered for another platform
-        (a CPU test of this layout), XLA's own."""
+        """One row (a batch-1 decode step) through the Pallas kernel: XLA
+        runs a single row's norm as two kernels, several rows as one."""
         if math.prod(x.shape[:-1]) != 1:
             return super().rms_norm(x, weight, eps)
         from pallas_kernels.rms_norm import rms_norm as pallas_rms_norm
 
-        if self.interpret:
-            return pallas_rms_norm(x, weight, eps, interpret=True)
-        return jax.lax.platform_dependent(x, weight, cuda=functools.partial(pallas_rms_norm, eps=eps),
-                                          default=functools.partial(super().rms_norm, eps=eps))
+        return self._norm_kernel(pallas_rms_norm, functools.partial(super().rms_norm, eps=eps), x, weight, eps=eps)
 
     def linear_parts(self, x, w):
         """x @ w for a step of 2 to SPLIT_K_MAX_ROWS rows (decode, verify) and
@@ -323,18 +325,14 @@ class GpuBackend(XlaBackend):
 
     def add_rms_norm(self, x, weight, eps: float):
         """A Residual's partial sums added to its stream and the sum normed in
-        one Pallas kernel (pallas_kernels/rms_norm.py); platforms as
-        rms_norm. An array: rms_norm."""
+        one Pallas kernel. An array: rms_norm."""
         if not isinstance(x, Residual):
             return x, self.rms_norm(x, weight, eps)
         from pallas_kernels.rms_norm import add_rms_norm as pallas_add_rms_norm
 
-        if self.interpret:
-            return pallas_add_rms_norm(x.stream, x.parts, weight, eps, interpret=True)
         xla = super().add_rms_norm
-        return jax.lax.platform_dependent(x.stream, x.parts, weight,
-                                          cuda=functools.partial(pallas_add_rms_norm, eps=eps),
-                                          default=lambda stream, parts, w: xla(Residual(stream, parts), w, eps))
+        return self._norm_kernel(pallas_add_rms_norm, lambda stream, parts, w: xla(Residual(stream, parts), w, eps),
+                                 x.stream, x.parts, weight, eps=eps)
 
     def paged_attention(self, meta: PagedAttentionMetadata, sliding_window, decode: bool, mesh) -> AttentionFn:
         """A decode step's Pallas attention on one device takes q, k and v as
