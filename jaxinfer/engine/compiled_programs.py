@@ -281,8 +281,11 @@ class CompiledPrograms:
 
     def _load(self, keys: dict) -> None:
         """Load the programs of `keys` ({program: cache key}) that the
-        executable cache holds, two threads at a time (warm-up, before any
-        other thread loads)."""
+        executable cache holds and this runner lacks, two threads at a time
+        (warm-up, before any other thread loads). An early compile's programs,
+        adopted before warm-up, are stored by then: loading them again would
+        deserialize each a second time before the first request."""
+        keys = {program: key for program, key in keys.items() if program not in self._executables}
         loaded = self.executable_cache.load_all(keys, max(LOAD_THREADS, self.backend.compile_threads))
         self._executables.update(loaded)
         self.num_loaded += len(loaded)
