@@ -143,27 +143,33 @@ def speculation_summary(engine, before: dict, after: dict) -> dict:
 
 
 def run_latency(llm, batch_size: int, input_len: int, output_len: int, seed=0) -> dict:
-    """One batch: time of the step(s) that prefill it, then the mean decode step."""
+    """One batch: time of the step(s) that prefill it, the time until every
+    request has its first token, then the mean decode step."""
     llm.wait_compiled()  # no background compilation on the clock
     engine = llm.engine
     requests = synthetic_requests(llm.model.config.vocab_size, batch_size, input_len, output_len, seed=seed)
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"latency-{time.perf_counter()}-{i}", prompt, params)
-    prefill_steps, decode_steps = [], []
+    prefill_steps, decode_steps, finished = [], [], []
     while engine.has_unfinished():
         prefilling = any(
             s.num_computed_tokens < len(s.prompt_token_ids)
             for e in _replicas(engine) for s in (*e.scheduler.waiting, *e.scheduler.running)
         )
         t = time.perf_counter()
-        engine.step()
+        finished += [o for o in engine.step() if o.finished]
         (prefill_steps if prefilling else decode_steps).append(time.perf_counter() - t)
     return {
         "batch_size": batch_size,
         "input_len": input_len,
         "output_len": output_len,
+        # The host's time in the prompt steps: the prefill itself where steps
+        # are synchronous (CPU); with async scheduling (GPU) a step returns
+        # once the next is queued, and the prefill's device time lands in the
+        # first decode step. time_to_first_token_s holds either way.
         "prefill_s": float(sum(prefill_steps)),
         "prefill_steps": len(prefill_steps),
+        "time_to_first_token_s": max((o.metrics.time_to_first_token or 0.0 for o in finished), default=None),
         "decode_step_ms_mean": float(np.mean(decode_steps) * 1e3) if decode_steps else None,
         # With async scheduling the first decode step also waits for the last
         # prompt step still on the device: the median leaves that one out.

@@ -27,10 +27,28 @@
 #   before    (not in the default) the 4k latencies on the plain XLA backend (a scan over stacked weights)
 # Results: $OUT/summary.txt (the e2e numbers first, then one line per part), and the logs and JSON beside it
 # ($OUT/hlo: the compiled batch-1 decode step of each e2e run, gzipped HLO text).
+#
+# Rehearsal, where no GPU is at hand: REHEARSE=1 OUT=... bash scripts/gpu_check.sh runs the same parts on the CPU
+# (.venv's Python; parts "engine e2e", ~4 minutes on 2 cores), with a 2-layer model of the same config at hidden 512,
+# a 600-token long request, 8 offline requests and e2e.py --rehearse (the GPU backend's programs compiled for the
+# CPU). Its numbers measure nothing: it shows that every part runs and that the summary reads what they wrote, so
+# a GPU's minutes are not spent finding a script's bug.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:?set OUT to a results directory}
+REHEARSE=${REHEARSE:-}
+if [ -n "$REHEARSE" ]; then
+  . .venv/bin/activate
+  : "${PARTS:=engine e2e}" "${BUDGET:=1800}" "${WEIGHTS:=/tmp/l8b-rehearsal}" "${LAYERS:=2}" "${T_engine:=400}"
+  : "${T_e2e:=500}" "${T_warm:=200}" "${T_4k:=400}" "${LONG:=600}" "${OFFLINE:=8}"
+  export DIMS=${DIMS:-512,1024,2048}
+  E2E_FLAGS=--rehearse
+else
+  E2E_FLAGS=
+fi
+LONG=${LONG:-32768}
+OFFLINE=${OFFLINE:-256}
 mkdir -p "$OUT/hlo"
 S=$OUT/summary.txt
 P=$OUT/parts.txt
@@ -41,7 +59,9 @@ WEIGHTS=${WEIGHTS:-/tmp/l8b}
 WHEELS=${WHEELS:-.gpu/whl}
 export PYTHONUNBUFFERED=1 JAXINFER_CACHE_DIR=${JAXINFER_CACHE_DIR:-/tmp/jaxinfer-cache}
 { date; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } > "$OUT/env.txt" 2>&1
-if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+if [ -n "$REHEARSE" ]; then  # .venv has every package
+  export PYTHONPATH=$ROOT
+elif ls "$WHEELS"/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     "$WHEELS"/*.whl >> "$OUT/env.txt" 2>&1
   export PYTHONPATH=/tmp/site:$ROOT
@@ -80,15 +100,16 @@ if has e2e; then
   # after every part, so a run cut short keeps what it measured.
   T=${T_e2e:-200}
   rm -rf "$JAXINFER_CACHE_DIR"  # a cold start: no compiled program, no autotuning result
-  part e2e_default "$T" python3 scripts/gpu/e2e.py "$WEIGHTS" "$OUT/e2e_default.json" --long-context 32768 \
-    --throughput 256 --hlo-dir "$OUT/hlo"
-  part e2e_default_warm "${T_warm:-60}" python3 scripts/gpu/e2e.py "$WEIGHTS" "$OUT/e2e_default_warm.json" --start-only
+  part e2e_default "$T" python3 scripts/gpu/e2e.py "$WEIGHTS" "$OUT/e2e_default.json" --long-context "$LONG" \
+    --throughput "$OFFLINE" --hlo-dir "$OUT/hlo" $E2E_FLAGS
+  part e2e_default_warm "${T_warm:-60}" python3 scripts/gpu/e2e.py "$WEIGHTS" "$OUT/e2e_default_warm.json" --start-only \
+    $E2E_FLAGS
   # 4k beside it: the same decode programs but for the block tables' width; 256-token prefill chunks (the
   # prompts are 128 tokens) to compile fewer, smaller mixed programs in the time left.
   T=${T_4k:-120}
   mkdir -p "$OUT/hlo/4k"
   part e2e_4k "$T" python3 scripts/gpu/e2e.py "$WEIGHTS" "$OUT/e2e_4k.json" --max-model-len 4096 \
-    --max-num-batched-tokens 256 --hlo-dir "$OUT/hlo/4k"
+    --max-num-batched-tokens 256 --hlo-dir "$OUT/hlo/4k" $E2E_FLAGS
 fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if has pallas; then
@@ -102,7 +123,7 @@ fi
 unset XLA_PYTHON_CLIENT_PREALLOCATE
 if has before; then
   part e2e_before "${T_before:-150}" python3 scripts/gpu/e2e.py "$WEIGHTS" "$OUT/e2e_before.json" --backend xla \
-    --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 128
+    --max-model-len 4096 --max-num-seqs 64 --max-num-batched-tokens 128 $E2E_FLAGS
 fi
 { echo "jaxinfer gpu_check $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ), ${SECONDS}s"
   python3 scripts/gpu/summary.py "$OUT" 2>&1

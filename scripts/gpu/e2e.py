@@ -6,7 +6,7 @@ limit keeps what it measured).
 
     python scripts/gpu/e2e.py DIR OUT.json [--backend gpu|xla] [--max-model-len N] [--batches 1,16,64]
                               [--long-context 32768] [--throughput 256] [--start-only] [--deadline S]
-                              [--hlo-dir DIR]
+                              [--hlo-dir DIR] [--rehearse]
 
 No --max-model-len: the engine's default, the model config's own context
 (131,072 for Llama-3.1), as a user who sets no option meets it. --backend
@@ -23,6 +23,15 @@ engine's median step time: the share of a step the device waits for the host.
 The compiled decode step of each batch (scripts/gpu/compiled_hlo.py): its
 kernels per layer, the weights it copies or concatenates (XLA's dot merger
 would), and the bytes the decode attention's kernels write per step.
+
+--rehearse runs this script where no GPU is at hand (gpu_check.sh's
+REHEARSE=1): the GPU backend's layout, buckets and unrolled programs,
+compiled for the CPU with XLA's attention and norms in place of its Pallas
+kernels, in float32 (interpreted, a decode kernel copies the whole KV pool
+at every program of its grid, and XLA's CPU scatter into a bfloat16 pool
+converts all of it to float32 and back: minutes a step at the default
+context). Its numbers measure nothing; it shows that every part runs and
+writes what summary.py reads.
 """
 
 import time
@@ -40,7 +49,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
-from jaxinfer.backends import XlaBackend  # noqa: E402
+from jaxinfer.backends import GpuBackend, XlaBackend  # noqa: E402
 from jaxinfer.bench_timing import copy_bandwidth_gbs, weight_bytes_per_step  # noqa: E402
 from jaxinfer.benchmark import run_latency, run_throughput, synthetic_requests  # noqa: E402
 from jaxinfer.engine.sampler import SamplingMetadata  # noqa: E402
@@ -52,12 +61,12 @@ from compiled_hlo import DECODE_ATTENTION, step_report  # noqa: E402
 class _ReferenceLLM:
     """LLM's engine on a forced backend (the shape run_latency reads)."""
 
-    def __init__(self, directory, backend, **options):
+    def __init__(self, directory, backend, dtype, **options):
         from jaxinfer.engine.config import EngineConfig
         from jaxinfer.engine.engine import LLMEngine
         from jaxinfer.loading.model import load
 
-        self.model = load(directory, dtype="bfloat16", progress=False, backend=backend)
+        self.model = load(directory, dtype=dtype, progress=False, backend=backend)
         self.engine = LLMEngine(self.model, EngineConfig(**options), progress=False)
 
     def wait_compiled(self):
@@ -118,7 +127,14 @@ def main():
     parser.add_argument("--hlo-dir", default=None, help="write the compiled decode steps here (gzipped text)")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--rehearse", action="store_true",
+                        help="no GPU: the GPU backend's programs compiled for the CPU, to rehearse this script")
     args = parser.parse_args()
+    if args.rehearse:
+        import jaxinfer.llm
+
+        jaxinfer.llm.choose_backend = lambda mesh=None, allow_tf32=False: GpuBackend(
+            allow_tf32=allow_tf32, residual_in_norm=mesh is None)
     result = {"backend": args.backend, "devices": str(jax.devices()), "jax": jax.__version__,
               "imported_s": time.time() - START, "skipped": []}
 
@@ -134,16 +150,19 @@ def main():
         return False
 
     if not args.start_only:  # before the engine takes the free memory for its KV pool
-        result["copy_GBps"] = copy_bandwidth_gbs(2 << 30, 20)
+        # 2 GiB: far past any cache; a CPU's fresh output pages make the rehearsal's probe slow, so it copies less.
+        result["copy_GBps"] = copy_bandwidth_gbs((64 << 20) if args.rehearse else (2 << 30), 20)
     options = {}
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name):
             options[name] = getattr(args, name)
+    if args.rehearse:
+        options["attention"] = "reference"
     if args.backend == "gpu":
-        llm = LLM(args.directory, dtype="auto", progress=False, **options)
-    else:
-        llm = _ReferenceLLM(args.directory, XlaBackend(attention="pallas"), max_model_len=args.max_model_len or 4096,
-                            **{k: v for k, v in options.items() if k != "max_model_len"})
+        llm = LLM(args.directory, dtype="float32" if args.rehearse else "auto", progress=False, **options)
+    else:  # the engine's attention option decides (with_attention): Pallas, as the GPU backend's default
+        llm = _ReferenceLLM(args.directory, XlaBackend(), "float32" if args.rehearse else "bfloat16",
+                            **{"attention": "pallas", **options, "max_model_len": args.max_model_len or 4096})
     result["ready_s"] = time.time() - START
     if args.backend == "gpu":  # a user's first request, while the other buckets compile
         llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)

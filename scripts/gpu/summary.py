@@ -60,7 +60,10 @@ def run_lines(label: str, run: dict) -> list[str]:
     lines += step_lines(label, run)
     if "long_context" in run:
         long = run["long_context"]
-        lines.append(f"{label} one {long['input_len']}-token request: prefill {long['prefill_s']:.2f} s, step "
+        first = long.get("time_to_first_token_s")
+        lines.append(f"{label} one {long['input_len']}-token request: first token "
+                     f"{'-' if first is None else f'{first:.2f}'} s (its prompt steps' host time "
+                     f"{long['prefill_s']:.2f} s), step "
                      f"{long['decode_step_ms_median']:.2f} ms median, device alone {long['device_step_ms']:.2f} ms, "
                      f"host share {long['host_share_of_step_time']:.1%}")
     lines += compiled_lines(label, run)
