@@ -62,10 +62,48 @@ def compilation_cache_dir() -> Path | None:
     both live there, so a new jaxinfer version or an edited tree starts both
     afresh together: the executable cache stores only programs XLA compiled
     in the process (see there), so JAX's cache must not already hold them."""
+    root = _cache_root()
+    return None if root is None else root / source_fingerprint()
+
+
+def autotune_cache_dir() -> Path | None:
+    """Where XLA keeps its GPU autotuner's results across processes (the
+    fastest kernel it timed for each fusion), or None where caching is off:
+    under the cache root, one directory per XLA build (jaxlib's version and
+    its GPU plugin's), shared by every source fingerprint. XLA keys a result
+    by the fusion's HLO and the GPU model, so whatever jaxinfer's sources
+    change is in the key already: a new jaxinfer or an edited tree compiles
+    its programs afresh but times again only the fusions no earlier one had.
+    JAX's default (jax_persistent_cache_enable_xla_caches) puts them in its
+    own cache directory, under the fingerprint, where they went with it.
+    The GPU backend passes this to XLA (GpuBackend.compiler_options). A
+    build's directory stays until the root is cleared: results are small
+    text, and builds change only when JAX is upgraded."""
+    root = _cache_root()
+    if root is None:
+        return None
+    directory = root / "autotune" / _xla_build()
+    directory.mkdir(parents=True, exist_ok=True)  # XLA writes only into a directory that exists
+    return directory
+
+
+def _cache_root() -> Path | None:
     if os.environ.get("JAXINFER_DISABLE_COMPILATION_CACHE"):
         return None
-    root = Path(os.environ.get("JAXINFER_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer" / "xla")
-    return root / source_fingerprint()
+    return Path(os.environ.get("JAXINFER_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer" / "xla")
+
+
+@functools.cache
+def _xla_build() -> str:
+    """jaxlib's version and every installed GPU plugin's: the XLA that compiles."""
+    from importlib import metadata
+
+    import jaxlib
+
+    plugins = sorted({f"{name}-{dist.version}" for dist in metadata.distributions()
+                      if (name := (dist.metadata["Name"] or "").lower().replace("_", "-")).startswith(
+                          ("jax-cuda", "jax-rocm"))})
+    return "-".join([f"jaxlib-{jaxlib.__version__}", *plugins])
 
 
 @functools.cache
@@ -101,6 +139,8 @@ def enable_compilation_cache() -> None:
     # Cache even quick compilations: on a 2-core CPU most of ours take < 1 s each.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # XLA's autotuning results live outside the fingerprint (autotune_cache_dir).
+    jax.config.update("jax_persistent_cache_enable_xla_caches", None)
     _cache_enabled = True
 
 

@@ -52,7 +52,7 @@ from jaxinfer.quant.layer_weights import PerLayer
 from jaxinfer.quant.linear import linear
 from jaxinfer.quant.schemes import int8_blocks
 from jaxinfer.quant.tensor import QuantizedTensor
-from jaxinfer.utils import powers_of_two
+from jaxinfer.utils import autotune_cache_dir, powers_of_two
 
 # Rows up to which the fused kernel is used (decode batches). A matmul of
 # `rows` rows does 2 * rows flops per weight; the kernel reads 0.5 (int4)
@@ -193,8 +193,16 @@ class GpuBackend(XlaBackend):
         phantom it recomputes GEMMs, reading their weights twice, where the
         real buffer assignment aliases the pool and needs no temporary of its
         size. A step's other temporaries are activations, small beside the
-        headroom the KV pool leaves (engine/config.py)."""
-        return {"xla_gpu_dot_merger_threshold_mb": 0, "xla_disable_hlo_passes": "rematerialization"}
+        headroom the KV pool leaves (engine/config.py).
+
+        With compilation caching on, XLA's autotuning results are kept across
+        processes in a directory shared by every jaxinfer version on the same
+        XLA (utils.autotune_cache_dir says why)."""
+        options = {"xla_gpu_dot_merger_threshold_mb": 0, "xla_disable_hlo_passes": "rematerialization"}
+        autotune = autotune_cache_dir()
+        if autotune is not None:
+            options["xla_gpu_per_fusion_autotune_cache_dir"] = str(autotune)
+        return options
 
     def decode_buckets(self, max_num_seqs: int) -> list[int]:
         """Powers of four from SMALLEST_DECODE_BUCKET (and the largest): each

@@ -4,6 +4,8 @@ HloModule, the weight copies it reports against programs that do and do not
 concatenate weights, the bytes it counts against numpy's. And the GPU
 backend's XLA options, which XLA:CPU checks by name too."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,6 +111,27 @@ def test_gpu_backend_options_are_names_xla_knows():
     np.testing.assert_allclose(np.asarray(lowered.compile(options)(jnp.ones((4, 8)), jnp.ones((8, 2)))), 8.0)
     with pytest.raises(Exception, match="xla_gpu_dot_merger_threshold_mbs"):
         lowered.compile({"xla_gpu_dot_merger_threshold_mbs": 0})
+
+
+def test_autotuning_results_outlive_the_source_fingerprint(tmp_path, monkeypatch):
+    """With caching on, GpuBackend hands XLA an autotune cache directory that
+    exists, lies under the cache root but outside the source fingerprint's
+    directory (which an edit replaces), is the same for another fingerprint,
+    and is a name XLA takes (a program compiles with it)."""
+    from jaxinfer import utils
+
+    monkeypatch.delenv("JAXINFER_DISABLE_COMPILATION_CACHE", raising=False)
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
+    directory = Path(GpuBackend().compiler_options()["xla_gpu_per_fusion_autotune_cache_dir"])
+    assert directory.is_dir() and tmp_path in directory.parents
+    assert utils.compilation_cache_dir() not in (directory, *directory.parents)
+    monkeypatch.setattr(utils, "source_fingerprint", lambda: "0123456789abcdef")
+    assert Path(GpuBackend().compiler_options()["xla_gpu_per_fusion_autotune_cache_dir"]) == directory
+    lowered = jax.jit(lambda a, b: a @ b).lower(jnp.ones((4, 8)), jnp.ones((8, 2)))
+    np.testing.assert_allclose(np.asarray(lowered.compile(GpuBackend().compiler_options())(
+        jnp.ones((4, 8)), jnp.ones((8, 2)))), 8.0)
+    monkeypatch.setenv("JAXINFER_DISABLE_COMPILATION_CACHE", "1")
+    assert "xla_gpu_per_fusion_autotune_cache_dir" not in GpuBackend().compiler_options()
 
 
 def test_bytes_written_leaves_out_outputs_aliased_to_operands():
