@@ -117,7 +117,12 @@ def _xla_linear(x, w: QuantizedTensor) -> jax.Array:
     """x [rows, in] @ a plain-layout QuantizedTensor [in, out] -> float32 [rows, out]."""
     f32 = jnp.float32
     if w.group_size == w.in_features and w.scheme in ("int8", "fp8"):
-        return jnp.matmul(x, w.data.astype(x.dtype), preferred_element_type=f32) * w.scales[0]
+        # One group a column: scale (and offset) after the matmul, no float
+        # copy of the weight; an offset o adds o * sum(x) to every column.
+        y = jnp.matmul(x, w.data.astype(x.dtype), preferred_element_type=f32) * w.scales[0]
+        if w.offsets is not None:
+            y = y + jnp.sum(x, axis=-1, keepdims=True, dtype=f32) * w.offsets[0]
+        return y
     groups = w.in_features // w.group_size
 
     def dequant(q):

@@ -106,6 +106,22 @@ def test_linear_matches_dequantize_then_matmul(scheme, group_size):
     np.testing.assert_allclose(np.asarray(ours16, np.float64), expected16, atol=2e-2 * np.abs(expected16).max())
 
 
+@pytest.mark.parametrize("group_size", [256, 64])
+def test_linear_with_offsets_matches_float64(group_size):
+    """int8 with an offset a group (asymmetric GPTQ int8 loads so), one group
+    a column included: the value is data * scale + offset."""
+    rng = np.random.default_rng(group_size)
+    data = rng.integers(-128, 128, (256, 40), dtype=np.int8)
+    scales = rng.uniform(0.001, 0.01, (256 // group_size, 40)).astype(np.float32)
+    offsets = rng.uniform(-0.1, 0.1, (256 // group_size, 40)).astype(np.float32)
+    w = QuantizedTensor(jnp.asarray(data), jnp.asarray(scales), jnp.asarray(offsets), "int8", group_size)
+    value = data * np.repeat(scales, group_size, 0).astype(np.float64) + np.repeat(offsets, group_size, 0)
+    x = rng.normal(size=(3, 256)).astype(np.float32)
+    expected = x.astype(np.float64) @ value
+    np.testing.assert_allclose(np.asarray(jax.jit(linear)(jnp.asarray(x), w)), expected, rtol=0,
+                               atol=1e-5 * np.abs(expected).max())
+
+
 def test_linear_with_stacked_weight_and_plain_array():
     rng = np.random.default_rng(3)
     w = quantize(jnp.asarray(rng.normal(size=(2, 64, 16)), jnp.float32), "int4", 32)
