@@ -18,15 +18,19 @@ from jaxinfer.native import matmul as cpu_matmul
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import linear
 from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
+from tests.cpu_features import AVX512, VNNI, needs_avx512, needs_vnni
 
 # The CPU backend's operations: what the model's layer loop calls on one device.
 CPU = CpuBackend()
 
 
 def test_kernels_build_here():
-    # Not a skip: CI has g++ and an AVX512-VNNI CPU, and without the kernels
-    # decode silently takes the slow path.
-    assert cpu_matmul.available() and cpu_matmul.q8_available()
+    # Not a skip: CI has g++, and without the kernels decode silently takes the
+    # slow path. The int8-activation kernel is AVX512-VNNI code, and the exact
+    # kernel stores tiles only where its AVX-512 paths read them.
+    assert cpu_matmul.available() and cpu_matmul.q8_available() == VNNI
+    w = QuantizedTensor(jnp.zeros((64, 64), jnp.int8), jnp.ones((1, 64)), None, "int8", 64)
+    assert cpu_matmul.tileable(w) == AVX512
 
 
 def assert_matches(actual, expected):
@@ -73,6 +77,7 @@ def test_matches_float64(scheme, group_size, offsets, rows, out_features):
         assert_matches(np.asarray(run(x, w, layer)), expected)
 
 
+@needs_avx512
 @pytest.mark.parametrize("scheme,group_size,offsets", [("int4", 32, True), ("int8", 32, False), ("int8", 16, True),
                                                        ("int4", 576, True)])
 @pytest.mark.parametrize("rows,out_features", [(1, 512), (1, 192), (2, 384), (3, 192), (5, 192), (6, 128), (7, 128),
@@ -92,6 +97,7 @@ def test_tiled_matches_float64(scheme, group_size, offsets, rows, out_features):
         assert_matches(np.asarray(run(x, tiled, layer)), x.astype(np.float64) @ value[layer])
 
 
+@needs_avx512
 def test_tiled_row_does_not_depend_on_the_rows_beside_it():
     """Every row count up to 8 (each its own tiling of rows and columns), and
     the register-tiled path's splits past it (13 and 32 rows: one task or
@@ -109,6 +115,7 @@ def test_tiled_row_does_not_depend_on_the_rows_beside_it():
         np.testing.assert_array_equal(np.asarray(run(x[:rows], tiled, 1)), alone[:rows])
 
 
+@needs_avx512
 @pytest.mark.parametrize("rows", [1, 3, 9, 23])
 def test_several_weights_in_one_call(rows):
     """One call for a layer's q, k and v (576, 192 and 192 outputs: 9 and 3
@@ -165,6 +172,7 @@ def int8_blocks_float64(x, block):
     return (codes.astype(np.float64) * scale).reshape(x.shape)
 
 
+@needs_vnni
 @pytest.mark.parametrize("scheme,group_size,offsets", [("int4", 32, True), ("int8", 32, False), ("int8", 16, True),
                                                        ("int4", 64, True), ("int8", 576, False)])
 @pytest.mark.parametrize("rows", [1, 2, 7, 64])
@@ -182,6 +190,7 @@ def test_q8_matches_float64(scheme, group_size, offsets, rows):
         assert_matches(np.asarray(run(x, w, layer)), expected)
 
 
+@needs_vnni
 @pytest.mark.parametrize("scheme,in_features", [("int8", 576), ("int4", 32)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 def test_q8_wide_weight(scheme, in_features, rows):
@@ -197,6 +206,7 @@ def test_q8_wide_weight(scheme, in_features, rows):
     assert_matches(np.asarray(jax.jit(cpu_matmul.q8_matmul)(x, w, 1)), expected)
 
 
+@needs_vnni
 @pytest.mark.parametrize("rows", [1, 20])
 def test_q8_float16_scales(rows):
     """Scales and offsets stored as float16 (what with_int8_activations keeps
@@ -215,6 +225,7 @@ def test_q8_float16_scales(rows):
     assert_matches(np.asarray(jax.jit(cpu_matmul.q8_matmul)(x, half, 0)), expected)
 
 
+@needs_vnni
 def test_linear_with_int8_activations_same_on_every_path():
     """A weight with activation_block: the CPU backend's linear on LayerOf runs the q8 kernel
     at any row count; on the plain layer (the XLA path, or a mesh) it

@@ -31,6 +31,7 @@ from jaxinfer.quant.kquant import KQuantTensor, dequantize
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.params import LINEAR_KEYS
+from tests.cpu_features import AVX512, VNNI, needs_avx512, needs_vnni
 from tests.gguf_writer import gguf_name, random_k_blocks, write_gguf, write_kquant_mix
 from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model
 
@@ -40,10 +41,12 @@ CPU = CpuBackend()
 
 
 def test_kernels_build_here():
-    # Not a skip: CI has g++ and an AVX512-VNNI CPU, and without the kernels
-    # K-quant files decode through a float copy of every weight (and without
-    # the repacking, a load converts them in numpy, seconds slower).
-    assert kquant_matmul.available() and kquant_matmul.q8_available() and kquant_repack.available()
+    # Not a skip: CI has g++, and without the kernels K-quant files decode
+    # through a float copy of every weight (and without the repacking, a load
+    # converts them in numpy, seconds slower). The matmuls are AVX-512 code
+    # (the int8-activation one AVX512-VNNI): elsewhere they report so.
+    assert kquant_matmul.available() == AVX512 and kquant_matmul.q8_available() == VNNI
+    assert kquant_repack.available()
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
@@ -98,6 +101,7 @@ def int8_blocks64(x: np.ndarray, block: int) -> np.ndarray:
     return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
 
 
+@needs_avx512
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
 def test_kernels_match_float64(qtype):
     """The exact kernel at 1, 2, 5 (few-row path: tasks of 4, 2 and 1 tiles),
@@ -122,6 +126,7 @@ def test_kernels_match_float64(qtype):
         np.testing.assert_array_equal(y[0], np.asarray(q8(x[:1], a8, 1))[0])
 
 
+@needs_avx512
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_a_row_does_not_depend_on_the_rows_beside_it(qtype):
     """Every row count up to 8 (each its own split of rows and columns) and
@@ -137,7 +142,8 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(qtype):
             np.testing.assert_array_equal(np.asarray(run(x[:rows], weight, 0)), alone[:rows])
 
 
-@pytest.mark.parametrize("int8_activations", [False, True], ids=["exact", "gguf-a8"])
+@pytest.mark.parametrize("int8_activations", [pytest.param(False, marks=needs_avx512),
+                                              pytest.param(True, marks=needs_vnni)], ids=["exact", "gguf-a8"])
 def test_several_kinds_in_one_call(int8_activations):
     """A layer's q, k and v in one call of either kernel, each of its own
     kind and v a MixedStack (layer 0 Q5_K, layer 1 Q2_K: the call reads the
@@ -187,6 +193,7 @@ def kquant_load(mixed_file):
 TOKENS = np.arange(1, 40)
 
 
+@needs_avx512
 def test_the_k_quant_kernel_build_starts_before_the_weights_are_read(mixed_file, monkeypatch):
     """The K-quant kernel, a machine's longest build, is asked for as soon as
     the file is open (it holds K-quants), not once its weights are arranged:
@@ -199,6 +206,7 @@ def test_the_k_quant_kernel_build_starts_before_the_weights_are_read(mixed_file,
     assert before == [True]
 
 
+@needs_avx512
 def test_file_loads_at_its_own_size_with_the_float_loads_logits(mixed_file, kquant_load, float_load):
     """quantization="auto" on CPU: every linear weight and the untied head
     in their K-quant blocks, a weight mixing types one stack per type, each
@@ -235,6 +243,7 @@ def test_xla_backend_runs_the_same_weights(kquant_load, float_load):
     assert_logits_close(reference.logits(TOKENS), float_load.logits(TOKENS), rtol=1e-5)
 
 
+@needs_vnni
 def test_gguf_a8_multiplies_int8_blocks(mixed_file, kquant_load):
     """quantization="gguf-a8": every K-quant weight (mixed stacks' parts too)
     marked for int8 activations in blocks of a super-block (llama.cpp's
@@ -325,6 +334,7 @@ def test_columns_are_gguf_values(qtype, tile):
     np.testing.assert_array_equal(np.asarray(stored.columns(indices)), table[indices])
 
 
+@needs_avx512
 def test_a_tied_k_quant_table_is_the_only_embedding_copy(tmp_path):
     """A tied model whose token_embd is Q6_K (a Q4_K_M file's): on CPU the
     head's blocks are kept, the float table is dropped (the lookup reads
@@ -342,6 +352,7 @@ def test_a_tied_k_quant_table_is_the_only_embedding_copy(tmp_path):
     assert_logits_close(kquant.logits(TOKENS), float_load.logits(TOKENS), rtol=1e-5)
 
 
+@needs_avx512
 def test_a_mixed_stack_is_read_in_one_call():
     """A MixedStack of Q6_K and Q4_K layers (a Q4_K_M file's attn_v) beside a
     plain weight in one kernel call: each layer bit for bit its part's own

@@ -19,6 +19,7 @@ from jaxinfer.quant.linear import linear
 from jaxinfer.quant.params import LINEAR_KEYS, params_nbytes, quantize_params
 from jaxinfer.quant.schemes import quantize
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize, pack_int4, unpack_int4
+from tests.cpu_features import needs_avx512
 from tests.gguf_writer import gguf_name, random_k_blocks, write_gguf
 from tests.tiny_models import assert_logits_close, make_hf_model, save_hf_model
 
@@ -257,6 +258,7 @@ def test_default_model_gguf_quantized_matches_float_load(default_float):
     assert greedy(model, prompt, 6) == greedy(default_float, prompt, 6)
 
 
+@needs_avx512
 def test_default_model_head_reads_the_files_blocks(default_float):
     """On CPU the tied Q8_0 head is kept as stored, for the exact kernel,
     and only so: its values are the float table's exactly, the embedding
