@@ -87,9 +87,9 @@ fi
 # Tests share the GPU with the weights being written: no preallocation.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 if has engine; then
-  # shellcheck disable=SC2086
   # Four workers (the image has pytest-xdist), each test dealt out on its own: a test's time is mostly compiling on
   # one host core, and one worker reached 26 of these tests in 90 s on an H100.
+  # shellcheck disable=SC2086
   part engine_tests "${T_engine:-70}" env JAXINFER_DISABLE_COMPILATION_CACHE=1 python3 -m pytest -q --tb=short \
     -p no:cacheprovider -n "${ENGINE_WORKERS:-4}" --dist load ${ENGINE_TESTS:-tests/models/test_hf_parity.py tests/kernels/test_paged_attention_reference.py tests/engine/test_device_sampler.py}
 fi
