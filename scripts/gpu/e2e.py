@@ -130,11 +130,10 @@ def main():
     parser.add_argument("--rehearse", action="store_true",
                         help="no GPU: the GPU backend's programs compiled for the CPU, to rehearse this script")
     args = parser.parse_args()
-    if args.rehearse:
-        import jaxinfer.llm
+    if args.rehearse:  # choose_backend picks the GPU's backend class, with its own fields for it
+        import jaxinfer.backends
 
-        jaxinfer.llm.choose_backend = lambda mesh=None, allow_tf32=False: GpuBackend(
-            allow_tf32=allow_tf32, residual_in_norm=mesh is None)
+        jaxinfer.backends.backend_class = lambda platform=None: GpuBackend
     result = {"backend": args.backend, "devices": str(jax.devices()), "jax": jax.__version__,
               "imported_s": time.time() - START, "skipped": []}
 

@@ -187,7 +187,6 @@ def test_gpu_plugin_compiles_every_kernel_the_tests_call():
     a process of its own (the plugin rewrites the modules it loads)."""
     import subprocess
     import sys
-    from pathlib import Path
 
     kernels = {"paged_decode_attention": ["paged_decode_attention", "merge_splits"],
                "paged_prefill_attention": ["paged_prefill_attention"], "rms_norm": ["rms_norm"],
