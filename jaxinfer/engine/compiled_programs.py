@@ -325,6 +325,12 @@ class CompiledPrograms:
         if self._background is not None:
             self._background.join()
 
+    def stop_compiling(self) -> None:
+        """Stop a background warm-up after the program it is compiling; the
+        ones it had not started are dropped."""
+        if self._background is not None:
+            self._background.stop()
+
     def _compile(self, buckets: list[tuple], calls: dict, progress: bool = False,
                  stop: threading.Event | None = None) -> None:
         """Lower and compile the programs of `buckets` that `calls` holds
@@ -446,13 +452,16 @@ class _BackgroundCompile:
                 self.running = False
                 programs._ready_changed.notify_all()
 
+    def stop(self) -> None:
+        self._stop.set()
+
     def join(self) -> None:
         self._thread.join()
 
     @classmethod
     def stop_all(cls) -> None:
         for job in list(cls._running):
-            job._stop.set()
+            job.stop()
         for job in list(cls._running):
             job.join()
 

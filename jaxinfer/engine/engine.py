@@ -47,6 +47,7 @@ import concurrent.futures
 import itertools
 import logging
 import time
+import weakref
 
 import jax
 import numpy as np
@@ -123,6 +124,10 @@ class LLMEngine:
         if early is not None:
             self.runner.adopt(early.compiled())
         self.runner.warmup(progress, background=config.background_compile and jax.process_count() == 1)
+        # The background thread holds the runner, not the engine: once the
+        # engine is dropped, the programs left to compile serve no one (and
+        # would take the cores from whatever runs next).
+        weakref.finalize(self, self.runner.stop_compiling)
         self.output_processor = OutputProcessor(self.scheduler, self.block_manager, self.tokenizer,
                                                 config.max_model_len)
         self.requests: dict[str, RequestState] = {}

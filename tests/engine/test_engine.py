@@ -2,6 +2,7 @@
 caching and bucketed compilation, checked against one-request-at-a-time
 uncached forwards of the same model."""
 
+import gc
 import threading
 
 import numpy as np
@@ -71,6 +72,36 @@ def test_batched_equals_sequential(tiny_dir, workload, reference, options):
     assert llm.stats()["num_compilations"] == len(llm.engine.runner.programs())
 
 
+def hold_background_compile(monkeypatch) -> threading.Event:
+    """Hold the background warm-up before it compiles anything, until the returned event is set."""
+    gate = threading.Event()
+    compile_buckets = ModelRunner._compile
+
+    def held_until_gate(self, buckets, calls, progress=False, stop=None):
+        if stop is not None:  # the background thread's call
+            gate.wait()
+        return compile_buckets(self, buckets, calls, progress, stop)
+
+    monkeypatch.setattr(ModelRunner, "_compile", held_until_gate)
+    return gate
+
+
+def test_a_dropped_engine_compiles_nothing_more(tiny_dir, monkeypatch):
+    """The background warm-up of an engine no one holds stops: the programs
+    it had left are not compiled (they would take the cores from whatever
+    runs next)."""
+    gate = hold_background_compile(monkeypatch)
+    llm = LLM(tiny_dir, progress=False, background_compile=True, **SMALL_ENGINE)
+    runner = llm.engine.runner
+    compiled = runner.num_compilations
+    assert runner.compiling and runner.num_pending > 0
+    del llm
+    gc.collect()
+    gate.set()
+    runner.wait_compiled()  # the thread has ended
+    assert not runner.compiling and runner.num_compilations == compiled and runner.num_pending > 0
+
+
 def test_serves_a_short_request_while_the_rest_compile(tiny_dir, workload, reference, monkeypatch):
     """background_compile: the engine serves as soon as each layout's
     smallest bucket has its forward and greedy sampler compiled. A short
@@ -80,15 +111,7 @@ def test_serves_a_short_request_while_the_rest_compile(tiny_dir, workload, refer
     conditional sampler (then its tokens are those of the same request on
     the compiled engine), and a step that no compiled bucket holds for the
     largest buckets, which the background thread compiles next; then the rest."""
-    gate = threading.Event()
-    compile_buckets = ModelRunner._compile
-
-    def held_until_gate(self, buckets, calls, progress=False, stop=None):
-        if stop is not None:  # the background thread's call: hold it so the steps below cannot use its buckets
-            gate.wait()
-        return compile_buckets(self, buckets, calls, progress, stop)
-
-    monkeypatch.setattr(ModelRunner, "_compile", held_until_gate)
+    gate = hold_background_compile(monkeypatch)  # so that the steps below cannot use its buckets
     llm = LLM(tiny_dir, progress=False, background_compile=True, **SMALL_ENGINE)
     runner = llm.engine.runner
     prompts, max_tokens = workload
