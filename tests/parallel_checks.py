@@ -1,7 +1,8 @@
-"""Multi-device checks, run by tests/parallel/test_tensor_data_parallel.py in a subprocess whose
-XLA_FLAGS give JAX 8 (or 4) virtual CPU devices, so that the rest of the
-suite keeps seeing one device. `python -m tests.parallel_checks GROUP`;
-each group asserts and prints what it compared; a failure exits non-zero.
+"""Multi-device checks, run by tests/parallel/test_tensor_data_parallel.py in one subprocess whose
+XLA_FLAGS give JAX 8 virtual CPU devices, so that the rest of the
+suite keeps seeing one device. `python -m tests.parallel_checks GROUP...`;
+each group asserts and prints what it compared; a failure exits non-zero
+(`multihost DIR`: one process of the two-process lockstep check).
 
 References are independent of the code under test: the single-device
 (no mesh) uncached full-sequence forward of the same checkpoint and
@@ -185,21 +186,19 @@ def tp_group(backend: str, quantization: str | None, variant="llama_tp", sizes=(
             f"max |logprob diff| {lp_err:.2e}, startup {startup:.1f}s")
 
 
-def collectives_of(llm, decode: bool):
-    """Collective ops of the compiled forward of one bucket: [(op, result type)]."""
-    from jaxinfer.engine.inputs import build_inputs
-    from jaxinfer.engine.programs import forward_step
-
+def compiled_forward(llm, layout: str):
+    """(the HLO text of the engine's own compiled forward for its smallest
+    bucket of `layout`, that bucket's tokens, its seqs)."""
     r = llm.engine.runner
-    n_tok, n_seq = (2, 2) if decode else (16, 8)
-    inputs = build_inputs([], [], [], [], num_tokens=n_tok, num_seqs=n_seq, layout="decode" if decode else "mixed",
-                          block_size=r.block_size, max_blocks_per_seq=r.max_blocks_per_seq)
-    tokens, meta, indices = r._put(inputs[:3])
-    compiled = forward_step.lower(
-        r.params, r.kv_cache, tokens, meta, indices, config=r.config, backend=r.backend,
-        layout=inputs.layout, mesh=r.mesh).compile()
+    n_tok, n_seq, _ = min(b for b in r.buckets() if b[2] == layout)
+    return r._executables[("forward", n_tok, n_seq, layout)].as_text(), n_tok, n_seq
+
+
+def collectives_of(llm, decode: bool):
+    """Collective ops of the engine's compiled decode or mixed step: ([(op, result type)], tokens, seqs)."""
+    text, n_tok, n_seq = compiled_forward(llm, "decode" if decode else "mixed")
     found = []
-    for line in compiled.as_text().split("\n"):
+    for line in text.split("\n"):
         m = re.search(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\(", line)
         if m:
             found.append((m.group(2), m.group(1)))
@@ -398,8 +397,7 @@ def lora_group():
 
 
 def dp_group():
-    """DP 2 x TP 2 on 4 devices: a mixed batch equals the single-device engine."""
-    assert len(jax.devices()) == 4
+    """DP 2 x TP 2 on 4 of the devices: a mixed batch equals the single-device engine."""
     directory = save_hf_model(make_hf_model("llama_tp", seed=11), tempfile.mkdtemp())
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(1, 30, 8)]
@@ -526,11 +524,37 @@ GROUPS = {
     "specs": specs_group,
     "dp": dp_group,
     "lora": lora_group,
-    "multihost": multihost_group,
     "moe": moe_group,
 }
 
+
+def run_groups(names: list[str]) -> bool:
+    """Each group in turn, in this one process (JAX, torch and the tiny
+    checkpoints take ~10 s to bring up in each new one, and programs of equal
+    shapes compile once); a group that fails prints its traceback and the
+    next still runs. Each group's lines follow its GROUP_START marker.
+    -> whether all passed."""
+    import traceback
+
+    passed = True
+    for name in names:
+        log(f"{GROUP_START}{name}")
+        start = time.perf_counter()
+        try:
+            GROUPS[name]()
+        except Exception:
+            traceback.print_exc(file=sys.stdout)
+            log(f"{name}: FAILED")
+            passed = False
+        else:
+            log(f"{name}: ok in {time.perf_counter() - start:.1f}s")
+    return passed
+
+
+GROUP_START = "=== group "
+
 if __name__ == "__main__":
-    start = time.perf_counter()
-    GROUPS[sys.argv[1]]()
-    log(f"{sys.argv[1]}: ok in {time.perf_counter() - start:.1f}s")
+    if sys.argv[1] == "multihost":  # one of two processes; its checkpoint directory follows
+        multihost_group()
+    else:
+        sys.exit(0 if run_groups(sys.argv[1:]) else 1)

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxinfer import LLM, SamplingParams, load
 from jaxinfer.errors import RequestError
-from tests.parallel_checks import count_compilations, log
+from tests.parallel_checks import compiled_forward, count_compilations, log
 from tests.tiny_models import make_hf_model, save_hf_model
 
 VOCAB = 128
@@ -282,16 +282,7 @@ def capacity_group():
 
 
 def collectives(llm, layout):
-    from jaxinfer.engine.inputs import build_inputs
-    from jaxinfer.engine.programs import forward_step
-
-    r = llm.engine.runner
-    n_tok, n_seq = (2, 2) if layout == "decode" else (16, 8)
-    inputs = build_inputs([], [], [], [], num_tokens=n_tok, num_seqs=n_seq, layout=layout,
-                          block_size=r.block_size, max_blocks_per_seq=r.max_blocks_per_seq)
-    tokens, meta, indices = r._put(inputs[:3])
-    text = forward_step.lower(r.params, r.kv_cache, tokens, meta, indices, config=r.config,
-                              backend=r.backend, layout=layout, mesh=r.mesh).compile().as_text()
+    text, n_tok, n_seq = compiled_forward(llm, layout)
     found = []
     for line in text.split("\n"):
         op = re.search(r" (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\(", line)

@@ -1,9 +1,8 @@
 """Tensor and data parallelism.
 
-The multi-device checks run in subprocesses (tests/parallel_checks.py) with
-XLA_FLAGS=--xla_force_host_platform_device_count=8 (4 for DP 2 x TP 2):
-the flag must be set before JAX starts, and the rest of the suite keeps
-its single device. A two-process lockstep run (jax.distributed on
+The multi-device checks run in one subprocess (tests/parallel_checks.py) with
+XLA_FLAGS=--xla_force_host_platform_device_count=8: the flag must be set
+before JAX starts, and the rest of the suite keeps its single device. A two-process lockstep run (jax.distributed on
 localhost, gloo collectives) stands in for multi-host. The partition rules, the KV-head rule, the load
 balancer and the CLI / multi-host argument plumbing are checked here,
 in-process.
@@ -34,50 +33,65 @@ from jaxinfer.parallel.sharding import (
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_checks(group: str, devices: int) -> str:
+# The groups of tests/parallel_checks.py, all in one subprocess of 8 devices (DP 2 x TP 2 uses 4).
+GROUPS = ["tp-xla", "tp-pallas-int8", "tp-gptq", "specs", "lora", "moe", "dp"]
+
+
+@pytest.fixture(scope="module")
+def group_logs() -> dict[str, str]:
+    """{group: its printed lines, ending in "GROUP: ok" or its traceback and
+    "GROUP: FAILED"}; the whole output where a group printed nothing (the
+    process died)."""
+    from tests.parallel_checks import GROUP_START
+
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
         "JAXINFER_DISABLE_COMPILATION_CACHE": "1",
     }
-    proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks", group], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{group} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    print(proc.stdout)
-    return proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks", *GROUPS], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    logs = {}
+    for part in proc.stdout.split(GROUP_START)[1:]:
+        name, _, lines = part.partition("\n")
+        logs[name] = lines
+    whole = f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return {group: logs.get(group) or whole for group in GROUPS}
+
+
+def _check(group_logs, group):
+    out = group_logs[group]
+    print(out)
+    assert f"{group}: ok" in out, out[-6000:]
 
 
 @pytest.mark.parametrize("group", ["tp-xla", "tp-pallas-int8", "tp-gptq", "specs"])
-def test_tensor_parallel_equals_single_device(group):
+def test_tensor_parallel_equals_single_device(group_logs, group):
     """TP 2/4/8 greedy tokens, logprobs and logits equal the single-device
     model's (float/XLA; int8 weights with the Pallas kernels under shard_map
     at TP 4; GPTQ int4 checkpoints as stored at TP 2 and 4, also HF's);
     every weight's sharding is its declared spec; orbax and safetensors loads
     land in shards; the compiled step has only the Megatron collectives."""
-    out = _run_checks(group, devices=8)
-    assert f"{group}: ok" in out
+    _check(group_logs, group)
 
 
-def test_lora_tensor_parallel_equals_single_device():
+def test_lora_tensor_parallel_equals_single_device(group_logs):
     """LoRA adapters at TP 4 (and TP 2 over int8 weights): A/B split with their base weights, a
     mixed-adapter batch's logits and greedy tokens equal the single-device
     LoRA engine's (itself checked against PeftModel)."""
-    out = _run_checks("lora", devices=8)
-    assert "lora: ok" in out
+    _check(group_logs, "lora")
 
 
-def test_expert_parallel_equals_single_device():
+def test_expert_parallel_equals_single_device(group_logs):
     """MoE models at TP 4 and 8: experts split whole over the devices, or
     each split on its hidden size, beside the attention's TP; logits,
     greedy tokens and logprobs equal the single-device model's."""
-    out = _run_checks("moe", devices=8)
-    assert "moe: ok" in out
+    _check(group_logs, "moe")
 
 
-def test_data_parallel_2x2_equals_single_device():
-    out = _run_checks("dp", devices=4)
-    assert "dp: ok" in out
+def test_data_parallel_2x2_equals_single_device(group_logs):
+    _check(group_logs, "dp")
 
 
 def test_multihost_lockstep_two_processes(tmp_path):
