@@ -103,6 +103,7 @@ print("RESULT " + json.dumps({"adopted": runner.num_adopted, "loaded": runner.nu
 """
 
 
+@pytest.mark.slow
 def test_cold_start_loads_no_adopted_program_back_and_warm_start_adopts_the_stored(tiny, tmp_path):
     hf_model, directory = tiny
     prompts = [np.random.default_rng(n).integers(0, hf_model.config.vocab_size, n).tolist() for n in (5, 11)]

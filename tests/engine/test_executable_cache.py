@@ -70,6 +70,7 @@ def tiny(tmp_path_factory):
     return hf_model, save_hf_model(hf_model, tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.mark.slow
 def test_second_start_loads_every_program_and_matches_transformers(tiny, tmp_path):
     hf_model, model_dir = tiny
     rng = np.random.default_rng(0)

@@ -358,6 +358,7 @@ def narrow_case(sliding_window):
     return inputs, expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_blocks", [8, 64, 1024])
 def test_table_width_does_not_change_the_result(max_blocks):
     """Same contexts, tables of 8, 64 and 1024 columns, match float64 with

@@ -166,6 +166,7 @@ def test_bfloat16_head_and_groups_round_trip(tiny, tmp_path):
                                                 else x, model.params))
 
 
+@pytest.mark.slow
 def test_llm_generates_from_checkpoint(tiny, tiny_ckpts):
     """LLM(OUT_DIR): greedy text and chat generation over the KV cache, checked against uncached
     forwards of the independently quantized params."""
@@ -183,6 +184,7 @@ def test_llm_generates_from_checkpoint(tiny, tiny_ckpts):
         assert out[0].outputs[0].token_ids == tokens[len(prompt):]
 
 
+@pytest.mark.slow
 def test_default_model_int8_checkpoint(tmp_path):
     """The embedded SmolLM2 (GGUF, byte-level BPE tokenizer rebuilt from the GGUF) converted to int8:
     the restored params are bit-exact, the tokenizer gives the same ids, and the perplexity of the

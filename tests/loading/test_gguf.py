@@ -41,6 +41,7 @@ def test_quantized_gguf_matches_dequantized_hf(tmp_path, qtype):
         assert (ours.argmax(-1) == exact.argmax(-1)).mean() > 0.9
 
 
+@pytest.mark.slow
 def test_default_model_matches_transformers_gguf_loader():
     """The real Q4_1 SmolLM2 file: transformers' independent GGUF loader
     (which undoes the Q/K permutation its own way) gives the same logits."""

@@ -13,6 +13,7 @@ from jaxinfer.engine.config import EngineConfig
 SMALL = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
 
 
+@pytest.mark.slow
 def test_pallas_interpret_engine_matches_native():
     prompts = [
         "The capital of France is",

@@ -109,6 +109,7 @@ def assert_greedy_as_transformers(engine, hf_model, prompts, max_tokens):
         assert list(done[str(i)].outputs[0].token_ids) == hf_greedy(hf_model, prompt, max_tokens)
 
 
+@pytest.mark.slow
 def test_engine_with_fused_weights_generates_as_transformers_and_adds_lora_per_projection(tiny, tmp_path):
     """The engine on the fused float model: HF's greedy tokens (prefill
     chunks and decode steps, the Pallas attention in interpret mode); and

@@ -355,6 +355,7 @@ def test_quantized_cache_holds_more_blocks_in_the_same_budget(default_llm):
     assert blocks["int8"] / blocks["auto"] == pytest.approx(ratio, rel=2e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_quantized_cache_engine(default_llm, kv_cache_dtype):
     """A quantized-cache engine generates the float engine's greedy tokens for as

@@ -236,6 +236,7 @@ def moe_llm(tmp_path_factory):
     return hf_model, llm
 
 
+@pytest.mark.slow
 def test_batched_steps_give_each_request_its_own_tokens(moe_llm):
     """Continuous batching with chunked prefill, preemption and prefix-cache
     hits: every request's greedy tokens are those of uncached full forwards

@@ -24,6 +24,7 @@ from jaxinfer.parallel.mesh import check_parallel_sizes
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_context_parallel_engine_and_attention_equal_single_device():
     """Ring attention equals float64 numpy on ragged steps (cached prefixes,
     new chunks, decode rows, a sliding window) at CP 2, 4, 8 and CP 2 x TP 2;

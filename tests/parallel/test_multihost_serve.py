@@ -115,6 +115,7 @@ def test_mismatched_options_are_refused(model_dir):
     assert "process 1: --max-num-seqs" in err0
 
 
+@pytest.mark.slow
 def test_completions_chat_and_n_match_one_process(pair, model_dir):
     _, urls, client = pair
     model = model_dir[1]

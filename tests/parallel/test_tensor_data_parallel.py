@@ -66,6 +66,7 @@ def _check(group_logs, group):
     assert f"{group}: ok" in out, out[-6000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", ["tp-xla", "tp-pallas-int8", "tp-gptq", "specs"])
 def test_tensor_parallel_equals_single_device(group_logs, group):
     """TP 2/4/8 greedy tokens, logprobs and logits equal the single-device
@@ -76,6 +77,7 @@ def test_tensor_parallel_equals_single_device(group_logs, group):
     _check(group_logs, group)
 
 
+@pytest.mark.slow
 def test_lora_tensor_parallel_equals_single_device(group_logs):
     """LoRA adapters at TP 4 (and TP 2 over int8 weights): A/B split with their base weights, a
     mixed-adapter batch's logits and greedy tokens equal the single-device
@@ -83,6 +85,7 @@ def test_lora_tensor_parallel_equals_single_device(group_logs):
     _check(group_logs, "lora")
 
 
+@pytest.mark.slow
 def test_expert_parallel_equals_single_device(group_logs):
     """MoE models at TP 4 and 8: experts split whole over the devices, or
     each split on its hidden size, beside the attention's TP; logits,
@@ -90,10 +93,12 @@ def test_expert_parallel_equals_single_device(group_logs):
     _check(group_logs, "moe")
 
 
+@pytest.mark.slow
 def test_data_parallel_2x2_equals_single_device(group_logs):
     _check(group_logs, "dp")
 
 
+@pytest.mark.slow
 def test_multihost_lockstep_two_processes(tmp_path):
     """Two processes on this machine, joined by jax.distributed (gloo for CPU
     collectives), run TP 4 over their 2 + 2 devices in lockstep: both print

@@ -164,6 +164,7 @@ def mean_kl(reference_logits, logits):
     return float(jnp.mean(jnp.sum(jnp.exp(p) * (p - q), -1)))
 
 
+@pytest.mark.slow
 def test_awq_beats_round_to_nearest_on_held_out_text(default_model):
     model = default_model
     ids = np.asarray(model.tokenizer.encode(CALIBRATION_TEXT.read_text()))

@@ -115,6 +115,7 @@ def test_w8a8_engine_matches_uncached_forward(tied_dir):
         assert out.outputs[0].token_ids == tokens[len(prompt):]
 
 
+@pytest.mark.slow
 def test_w8a8_default_model_perplexity_within_stated_bound(default_llm):
     """Opt-in because it changes numbers: BENCHMARKS.md states +3.4% perplexity
     on the eval text at window 1024; at the shorter windows used here the

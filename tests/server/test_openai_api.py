@@ -102,6 +102,7 @@ def stream_text(chunks, chat=False):
 
 
 # -- completions and chat --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_completion_streamed_and_not_equal_generate(server, reference, llm):
     ref = reference["greedy"]
     full = server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)

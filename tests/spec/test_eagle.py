@@ -27,6 +27,7 @@ def eagle_llm():
                             "adaptive": False})
 
 
+@pytest.mark.slow
 def test_shipped_head_is_exact_and_accepted(eagle_llm):
     model = eagle_llm.model
     prompts = [eagle_llm.tokenizer.encode(p) for p in PROMPTS]

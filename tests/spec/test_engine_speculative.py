@@ -221,6 +221,7 @@ def check_blocks_after_each_step(llm) -> None:
     engine.step = checked_step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PROPOSERS))
 def test_greedy_equals_plain_decoding(name, tiny_dir, draft_dir, eagle_head, workload):
     llm = spec_llm(name, tiny_dir, draft_dir, eagle_head)
