@@ -13,8 +13,8 @@ def pytest_collection_modifyitems(items):
     """Files holding a `slow` test first, each file's tests in their own
     order. scripts/test.sh's two workers take whole files in this order
     (--dist loadfile --no-loadscope-reorder), so the long files start early
-    and the many short ones even out the end; xdist's own order (the files
-    with the most tests first) left the few-test, minutes-long multi-device
-    files for last, one worker running them while the other idled."""
+    and the many short ones even out the end; xdist's own order sends the
+    files with the most tests first, which puts the few-test, minutes-long
+    multi-device files late."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)

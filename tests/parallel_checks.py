@@ -527,6 +527,9 @@ GROUPS = {
     "moe": moe_group,
 }
 
+# Printed before each group's lines (run_groups), for the caller to split them.
+GROUP_START = "=== group "
+
 
 def run_groups(names: list[str]) -> bool:
     """Each group in turn, in this one process (JAX, torch and the tiny
@@ -550,8 +553,6 @@ def run_groups(names: list[str]) -> bool:
             log(f"{name}: ok in {time.perf_counter() - start:.1f}s")
     return passed
 
-
-GROUP_START = "=== group "
 
 if __name__ == "__main__":
     if sys.argv[1] == "multihost":  # one of two processes; its checkpoint directory follows

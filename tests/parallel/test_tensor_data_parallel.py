@@ -33,16 +33,13 @@ from jaxinfer.parallel.sharding import (
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# The groups of tests/parallel_checks.py, all in one subprocess of 8 devices (DP 2 x TP 2 uses 4).
-GROUPS = ["tp-xla", "tp-pallas-int8", "tp-gptq", "specs", "lora", "moe", "dp"]
-
-
 @pytest.fixture(scope="module")
 def group_logs() -> dict[str, str]:
-    """{group: its printed lines, ending in "GROUP: ok" or its traceback and
-    "GROUP: FAILED"}; the whole output where a group printed nothing (the
-    process died)."""
-    from tests.parallel_checks import GROUP_START
+    """Every group of tests/parallel_checks.py, run in one subprocess of 8
+    devices (DP 2 x TP 2 uses 4): {group: its printed lines, ending in
+    "GROUP: ok" or its traceback and "GROUP: FAILED"}; the whole output where
+    a group printed nothing (the process died)."""
+    from tests.parallel_checks import GROUP_START, GROUPS
 
     env = {
         **os.environ,
