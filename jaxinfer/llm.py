@@ -41,9 +41,11 @@ class LLM:
     speculative ({"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}; see engine/spec/config.py),
     async_scheduling (None: on with a GPU, off on CPU; prepare step N + 1 on the host while step N runs,
     engine/engine.py),
-    background_compile (True: serve once the smallest shape buckets are compiled and compile the
-    others on a thread; programs stored by an earlier start load when a step first needs them;
-    see wait_compiled),
+    warmup ("background", the default: serve once the smallest shape buckets are compiled and compile
+    the others on a thread, see wait_compiled; "all": every bucket before serving; "on_demand": the
+    smallest first, each other bucket when a step first needs it; programs stored by an earlier
+    start load when a step first needs them; JAXINFER_WARMUP sets the default; the older
+    background_compile=True/False is accepted for one release),
     enable_lora / max_loras / max_lora_rank (serve PEFT LoRA adapters: up to max_loras distinct adapters in
     one step, ranks up to max_lora_rank; requests pick theirs with `lora_request=`, see lora/).
 
@@ -208,10 +210,10 @@ class LLM:
         return self.engine.stats()
 
     def wait_compiled(self) -> None:
-        """Block until the engine's background warm-up has compiled every
-        program not stored by an earlier start (the engine option
-        background_compile): until then a step may run in a larger bucket
-        than its own, and compilation shares the CPU. Stored programs load
-        when a step first needs them."""
+        """Block until the engine's background warm-up (warmup="background")
+        has compiled every program not stored by an earlier start: until
+        then a step may run in a larger bucket than its own, and compilation
+        shares the CPU. Stored programs load when a step first needs them.
+        With the other warm-ups there is nothing to wait for."""
         self.engine.wait_compiled()
 

@@ -211,7 +211,7 @@ def main():
         for name, (directory, quantization) in checkpoints.items():
             llms[name] = LLM(str(directory), quantization=quantization, progress=False,
                              max_model_len=args.max_model_len, max_num_seqs=max(batch_sizes),
-                             enable_prefix_caching=False, background_compile=False)
+                             enable_prefix_caching=False, warmup="all")
             assert llms[name].model.quantization == quantization, llms[name].model.quantization
         construction = compare_construction(llms, max(batch_sizes))
         results = time_decode(args, llms, batch_sizes)

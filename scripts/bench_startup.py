@@ -15,7 +15,7 @@ jaxinfer from (e.g. a `git worktree` of an older commit, for before/after in
 one run) and optional extra LLM() keywords:
 
     python scripts/bench_startup.py --config "before=/tmp/old" --config "after=." \
-        --config "after, all compiled first=.;background_compile=False" --rounds 3 --json startup.json
+        --config "after, all compiled first=.;warmup='all'" --rounds 3 --json startup.json
 """
 
 from __future__ import annotations

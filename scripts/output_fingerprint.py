@@ -9,7 +9,7 @@ The configurations: the embedded default model (its GGUF blocks, "gguf-a8",
 float weights, the reference attention, n-gram speculative decoding) and a
 tiny random HF Llama (float32, int8, int4, fp8, w8a8, a PEFT LoRA adapter, a
 Qwen2-MoE). Every bucket the engine compiles is compiled before it runs
-(background_compile=False), so no output depends on which program was ready.
+(warmup="all"), so no output depends on which program was ready.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
     from tests.lora_helpers import make_adapter
     from tests.tiny_models import make_hf_model, save_hf_model
 
-    common = dict(progress=False, max_model_len=256, background_compile=False)
+    common = dict(progress=False, max_model_len=256, warmup="all")
     tmp = Path(tempfile.mkdtemp())
     llama = make_hf_model("llama")
     save_hf_model(llama, tmp / "llama")

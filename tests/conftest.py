@@ -1,4 +1,14 @@
+import os
+
 import pytest
+
+# Engines here compile each shape bucket when a step first needs it (EngineConfig.warmup):
+# most tests run a few prompts, and a background warm-up compiled every other bucket of
+# every engine they built, on the cores the other worker's tests ran on (half of the
+# compilation in the engine tests). Set here, not in scripts/test.sh, so that a direct
+# pytest run and the tests' subprocesses (which inherit it) do the same. Tests of the
+# other warm-ups ask for theirs.
+os.environ.setdefault("JAXINFER_WARMUP", "on_demand")
 
 
 @pytest.fixture(scope="session")

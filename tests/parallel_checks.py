@@ -74,18 +74,26 @@ class _CompileLog(logging.Handler):
 
 
 @contextmanager
-def count_compilations():
-    """Every XLA compilation inside the block (the runner's own counter only
-    sees new bucket keys, not a recompilation for a changed input sharding)."""
+def count_compilations(llm):
+    """The XLA compilations inside the block beyond the step programs `llm`
+    compiles on demand (its runners' own count, one compilation each; the
+    runners cannot see a recompilation for a changed input sharding): the
+    list it yields holds every compilation logged in the block if there were
+    more, else stays empty."""
+    runners = [replica.runner for replica in getattr(llm.engine, "replicas", [llm.engine])]
+    programs_before = sum(runner.num_compilations for runner in runners)
     handler = _CompileLog()
     logger = logging.getLogger("jax")
     logger.addHandler(handler)
     jax.config.update("jax_log_compiles", True)
+    extra = []
     try:
-        yield handler.compiled
+        yield extra
     finally:
         jax.config.update("jax_log_compiles", False)
         logger.removeHandler(handler)
+        if len(handler.compiled) > sum(runner.num_compilations for runner in runners) - programs_before:
+            extra.extend(handler.compiled)
 
 
 def _flat(tree, prefix=""):
@@ -169,7 +177,7 @@ def tp_group(backend: str, quantization: str | None, variant="llama_tp", sizes=(
         logits_err = float(np.abs(logits - ref_logits).max())
         assert_logits_close(logits, ref_logits, rtol=1e-5)
         llm.wait_compiled()  # the buckets left to the background compile, before counting
-        with count_compilations() as compiled:
+        with count_compilations(llm) as compiled:
             outputs = llm.generate(prompts, [greedy(n, logprobs=1) for n in max_tokens], use_tqdm=False)
         assert not compiled, f"compiled after warm-up: {compiled}"
         lp_err = 0.0
@@ -365,7 +373,7 @@ def lora_group():
         for lora in loras:
             llm.engine.validate_lora("check", lora)
         logits = last_row_logits(llm, prompts, ids)
-        with count_compilations() as compiled:
+        with count_compilations(llm) as compiled:
             outputs = llm.generate(prompts, greedy(5), use_tqdm=False, lora_request=requests)
         assert not compiled, f"compiled after warm-up: {compiled}"
         return logits, [o.outputs[0].token_ids for o in outputs]
@@ -422,7 +430,7 @@ def dp_group():
     for r in replicas:
         check_param_shardings(r.model.params, r.model.mesh)
     llm.wait_compiled()  # the buckets left to the background compile, before counting
-    with count_compilations() as compiled:
+    with count_compilations(llm) as compiled:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     assert not compiled, compiled
     for got, want in zip(outputs, expected):

@@ -203,7 +203,7 @@ def engine_group():
             assert shard.data.shape[1] == per_device, shard.data.shape  # each device holds its 1 / cp of the blocks
         batch = prompts + ([longest] if longest else [])
         llm.wait_compiled()  # the buckets left to the background compile, before counting
-        with count_compilations() as compiled:
+        with count_compilations(llm) as compiled:
             outputs = llm.generate(batch, greedy(3), use_tqdm=False)
             hits_before = llm.stats()["prefix_cache_hits"]
             hit = llm.generate([shared], greedy(3), use_tqdm=False)
@@ -255,7 +255,7 @@ def capacity_group():
 
     bm.allocate = watched
     llm.wait_compiled()  # the buckets left to the background compile, before counting
-    with count_compilations() as compiled:
+    with count_compilations(llm) as compiled:
         outputs = llm.generate([prompt], greedy(2), use_tqdm=False)
     assert not compiled, f"compiled after warm-up: {compiled}"
     assert spread and max(spread) <= 1, spread

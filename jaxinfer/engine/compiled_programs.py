@@ -10,9 +10,10 @@ its split-k decode kernel. Other steps pad the flattened token count to a
 power of two from 16 up to max_num_batched_tokens and the sequence count to
 one of the backend's buckets for that many tokens (CPU: every power of two
 from 8 up to max_num_seqs; GPU: one). With K speculative tokens, a step that
-verifies drafts runs in (n (1 + K), n) for the decode buckets n. Everything
-compiles at warm-up; a compilation after warm-up is counted and logged as
-an error.
+verifies drafts runs in (n (1 + K), n) for the decode buckets n. Every
+bucket compiles at warm-up (before serving or on a background thread), or,
+on demand, when a step first needs it; any other compilation after warm-up
+is a shape that escaped the grid, counted and logged as an error.
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ class CompiledPrograms:
         self.num_loaded = 0  # programs loaded from the executable cache (warm-up, steps, the background thread)
         self.num_loaded_before_serving = 0  # of which warm-up loaded before returning
         self.num_adopted = 0  # programs taken from an early compile (adopt)
+        self.num_off_grid = 0  # compilations of a shape that escaped bucketing (_executable): a bug
         self._ready: frozenset = frozenset()
         self._background: _BackgroundCompile | None = None
         self._coming: set = set()  # programs the background thread compiles (warmup)
+        self._on_demand: set = set()  # programs a step compiles when it first needs one (warmup's "on_demand")
         self.warmed_up = False
         # The sample programs of each size: the conditional one (and, plain,
         # the greedy one, runner.py's _sampler_work), or one per combination
@@ -128,6 +131,8 @@ class CompiledPrograms:
             bucket = (tokens, min(s for s in self._mixed_seq_buckets(tokens) if s >= num_seqs), "mixed")
         if bucket in self._ready or self._load_stored(bucket):
             return bucket
+        if self._on_demand:  # the step compiles its bucket's programs (_executable); the next finds it ready
+            return bucket
         # Its programs are still compiling in the background (warmup): the
         # smallest ready bucket of the layout that holds the step (padding
         # rows and sequences are inert); where none does yet, the step waits
@@ -146,17 +151,20 @@ class CompiledPrograms:
         return self.backend.mixed_seq_buckets(num_tokens, self.seq_buckets)
 
     # -- warm-up -------------------------------------------------------------
-    def warmup(self, progress: bool = True, background: bool = False) -> None:
-        """Compile every program of programs(), running none: the executables
-        are kept and called directly (_executable).
+    def warmup(self, progress: bool = True, mode: str = "all") -> None:
+        """Compile the programs of programs() (EngineConfig.warmup's `mode`
+        says which ones now), running none: the executables are kept and
+        called directly (_executable).
 
         The smallest bucket of each layout compiles first: what one short
         request needs (a 16-token prompt, one decode row), so the runner
         serves it as soon as those are ready (with the largest first, a cold
         start's first request would run padded into them: a 5-token prompt
         as 256 rows, one decode row as 16). A bucket serves once its
-        serving_programs() are compiled. With background, the rest then
-        compile on a thread while the engine serves: the first buckets' full
+        serving_programs() are compiled. "all" compiles the rest before
+        returning; "on_demand" leaves each to the first step that needs it
+        (the step runs in its own bucket, waiting for the compilation); with
+        "background", the rest compile on a thread while the engine serves: the first buckets' full
         samplers, each layout's largest bucket (any step fits in it), then
         the others, smallest first. Until a step's own bucket is ready,
         bucket() pads the step into a ready one, and a step that none holds
@@ -181,6 +189,7 @@ class CompiledPrograms:
         engine's steps (engine/tracing_turns.py says why). Lowering every
         program before serving cost ~3 s of a 0.47B K-quant model's cold
         start on two cores (BENCHMARKS.md, "Cold start")."""
+        background, later = mode == "background", mode != "all"  # later: only the first buckets before serving
         buckets = self.buckets()
         layouts = dict.fromkeys(layout for _, _, layout in buckets)
         first = self.first_buckets()
@@ -196,19 +205,22 @@ class CompiledPrograms:
             # With every program stored, none is needed before the first step
             # asks for its own bucket (bucket() loads it); else the first
             # buckets serve every step until the rest are compiled.
-            now = set(calls) if not background else set() if stored == set(calls) else set(self._programs_of(first))
+            now = set(calls) if not later else set() if stored == set(calls) else set(self._programs_of(first))
             self._stored_later = stored - now
             self._load({p: self._cache_keys[p] for p in calls if p in now})
         stored_later = list(self._stored_later)  # loaded by bucket() when a step needs them
         # The programs to compile, in order (stored ones are loaded instead);
-        # with background, only the first buckets' before serving.
+        # with background or on demand, only the first buckets' before serving.
         to_compile = {p: calls[p] for p in self._programs_of(first + rest)
                       if p not in self._executables and p not in stored_later}
-        now = [p for b in first for p in self.serving_programs(b)] if background else list(to_compile)
-        self._compile(first + ([] if background else rest), {p: to_compile.pop(p) for p in now if p in to_compile},
+        now = [p for b in first for p in self.serving_programs(b)] if later else list(to_compile)
+        self._compile(first + ([] if later else rest), {p: to_compile.pop(p) for p in now if p in to_compile},
                       progress)
         self.num_loaded_before_serving = self.num_loaded
         self.warmed_up = True
+        if mode == "on_demand":
+            self._on_demand = set(to_compile)
+            return
         # Buckets with programs left: the first ones' full samplers, or
         # programs left to load; then the rest.
         rest = [b for b in first + rest if not all(p in self._executables for p in self.bucket_programs(b))]
@@ -309,9 +321,11 @@ class CompiledPrograms:
 
     @property
     def num_pending(self) -> int:
-        """Programs neither compiled (or loaded) yet nor stored to load when
-        a step needs them: what the background thread has left to compile."""
-        return len([p for p in self.programs() if p not in self._executables and p not in self._stored_later])
+        """Programs neither compiled (or loaded) yet nor left to a step
+        (stored, to load, or on demand, to compile): what the background
+        thread has left to compile."""
+        return len([p for p in self.programs()
+                    if p not in self._executables and p not in self._stored_later and p not in self._on_demand])
 
     @property
     def compiling(self) -> bool:
@@ -388,7 +402,7 @@ class CompiledPrograms:
 
     def _compile_one(self, lowered, program: tuple):
         options = self.backend.compiler_options()
-        if self.executable_cache is None:
+        if self.executable_cache is None or program not in self._cache_keys:  # not stored: a shape off the grid
             return lowered.compile(options)
         return self.executable_cache.compile(lowered, self._cache_keys[program], options)
 
@@ -398,9 +412,11 @@ class CompiledPrograms:
 
     def _executable(self, program: tuple, fn, args: tuple, statics: dict):
         """`program`'s executable: loaded here if stored and not yet loaded,
-        waited for if the background thread is compiling it. One missing
-        after warm-up is a shape that escaped bucketing: it is compiled here,
-        counted and logged as an error."""
+        waited for if the background thread is compiling it, compiled here
+        if warm-up left it on demand (lowered as warm-up lowers it, so that
+        it is the program, and has the cache key, a full warm-up makes). Any
+        other missing after warm-up is a shape that escaped bucketing: it is
+        compiled here, counted and logged as an error."""
         executable = self._executables.get(program)
         if executable is None and program in self._stored_later and self._load_one(program):
             executable = self._executables[program]
@@ -410,10 +426,13 @@ class CompiledPrograms:
                     self._ready_changed.wait()
             executable = self._executables.get(program)
         if executable is None:
-            if self.warmed_up:
+            call = (fn, args, statics)
+            if program in self._on_demand:
+                call = _shapes_of(*self._warmup_call(program))
+            elif self.warmed_up:
                 log.error("compilation after warm-up of %s: a shape escaped bucketing", program)
-            lowered = self._lower(program, fn, args, statics)
-            executable = self._executables[program] = lowered.compile(self.backend.compiler_options())
+                self.num_off_grid += 1
+            executable = self._executables[program] = self._compile_one(self._lower(program, *call), program)
         return executable
 
 

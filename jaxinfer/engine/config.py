@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import InitVar, dataclass
 
 import jax
@@ -17,6 +18,8 @@ from jaxinfer.models import kv_cache
 from jaxinfer.parallel.mesh import context_parallel_size
 
 log = logging.getLogger(__name__)
+
+WARMUPS = ("background", "all", "on_demand")
 
 
 @dataclass
@@ -49,10 +52,15 @@ class EngineConfig:
     # the host work would share the cores the step runs on). Not with
     # speculative decoding (a step's drafts come from the previous step's outputs).
     async_scheduling: bool | None = None
-    # Serve once the smallest bucket of each layout is compiled and compile the
-    # rest on a thread (engine/compiled_programs.py, warmup); False compiles all first.
-    # Always False across processes: lockstep hosts must pick the same buckets.
-    background_compile: bool = True
+    # Which step programs compile before the engine serves, and when the rest
+    # do (engine/compiled_programs.py, warmup): "background" (serve once each
+    # layout's smallest bucket is compiled, compile the rest on a thread),
+    # "all" (every bucket first), or "on_demand" (the smallest buckets first,
+    # each other bucket when a step first needs it: only what runs compiles,
+    # and that step waits for it). The environment variable JAXINFER_WARMUP
+    # sets the default. Across processes "background" runs as "all": lockstep
+    # hosts must pick the same buckets.
+    warmup: str = dataclasses.field(default_factory=lambda: os.environ.get("JAXINFER_WARMUP", "background"))
     # LoRA (lora/): serve PEFT adapters, up to max_loras distinct ones in a
     # step, each of rank <= max_lora_rank (vLLM's names and defaults).
     enable_lora: bool = False
@@ -60,12 +68,19 @@ class EngineConfig:
     max_lora_rank: int = 16
     # The attention option's older name, accepted for one release.
     attention_backend: InitVar[str | None] = None
+    # warmup's older form, accepted for one release: True is "background", False "all".
+    background_compile: InitVar[bool | None] = None
 
-    def __post_init__(self, attention_backend=None):
+    def __post_init__(self, attention_backend=None, background_compile=None):
         if attention_backend is not None:
             if self.attention is not None:
                 raise ValueError("give attention or its older name attention_backend, not both")
             self.attention = attention_backend
+        if background_compile is not None:
+            self.warmup = "background" if background_compile else "all"
+        if self.warmup not in WARMUPS:
+            raise ValueError(f"warmup must be one of {WARMUPS}, got {self.warmup!r} (the default comes from the "
+                             "environment variable JAXINFER_WARMUP when it is set)")
         check_attention_name(self.attention)
         kv_cache.check_kv_cache_dtype(self.kv_cache_dtype)
         self.speculative = SpeculativeConfig.parse(self.speculative)

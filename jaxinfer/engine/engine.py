@@ -123,7 +123,10 @@ class LLMEngine:
                                              with_features=self.proposer.needs_features)
         if early is not None:
             self.runner.adopt(early.compiled())
-        self.runner.warmup(progress, background=config.background_compile and jax.process_count() == 1)
+        # Lockstep hosts must run every step in the same bucket: a background
+        # thread's progress differs between them, a step's own bucket does not.
+        warmup = "all" if config.warmup == "background" and jax.process_count() > 1 else config.warmup
+        self.runner.warmup(progress, warmup)
         # The background thread holds the runner, not the engine: once the
         # engine is dropped, the programs left to compile serve no one (and
         # would take the cores from whatever runs next).
@@ -464,6 +467,8 @@ class LLMEngine:
             "num_compilations": self.runner.num_compilations + self.proposer.num_compilations,
             # Programs a background warm-up has yet to compile (0 once done).
             "num_programs_compiling": self.runner.num_pending,
+            # Compilations of a shape outside the bucket grid (each also logged as an error): 0.
+            "num_compilations_off_grid": self.runner.num_off_grid,
             "kv_blocks_total": bm.num_usable_blocks,
             "kv_blocks_used": bm.num_used_blocks,
             "max_context_len": self.max_context_len,

@@ -120,7 +120,7 @@ def test_evict_and_reload_without_compiling(llama, mixed_run):
     fourth = requests["qk_kv2"]
     prompt = prompts_for(1, seed=4)[0]
     loads = llm.stats()["lora_loads"]
-    with count_compilations() as compiled:
+    with count_compilations(llm) as compiled:
         out = llm.generate([prompt], greedy, use_tqdm=False, lora_request=fourth)
         assert fourth.lora_int_id in llm.engine.lora.resident()
         assert len(llm.engine.lora.resident()) == 3  # someone was evicted

@@ -14,7 +14,7 @@ from tests.tiny_models import make_hf_model, save_hf_model
 
 # A small pool (block 0 is the null block): 4 sequences of up to ~60 tokens need more, so some are preempted.
 OPTIONS = dict(max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, num_kv_blocks=14,
-               background_compile=False, progress=False)
+               warmup="all", progress=False)
 
 
 @pytest.fixture(scope="module")

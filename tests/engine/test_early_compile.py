@@ -93,7 +93,7 @@ from jaxinfer.backends import GpuBackend
 
 jaxinfer.llm.choose_backend = lambda *_: GpuBackend(interpret=True)
 llm = LLM(sys.argv[1], max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, progress=False,
-          background_compile=False)
+          warmup="all")
 runner = llm.engine.runner
 first = len([p for b in runner.first_buckets() for p in runner.serving_programs(b)])
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),

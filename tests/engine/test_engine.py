@@ -67,9 +67,9 @@ def test_batched_equals_sequential(tiny_dir, workload, reference, options):
     if options.get("num_kv_blocks"):
         assert stats["num_preemptions"] > 0
     assert stats["kv_blocks_used"] == 0  # everything freed at the end
-    # Every compilation was warm-up's, none for the workload.
-    llm.wait_compiled()
-    assert llm.stats()["num_compilations"] == len(llm.engine.runner.programs())
+    # Every step ran in a bucket of the grid (compiled on demand), no shape outside it.
+    assert stats["num_compilations_off_grid"] == 0
+    assert 0 < stats["num_compilations"] <= len(llm.engine.runner.programs())
 
 
 def hold_background_compile(monkeypatch) -> threading.Event:
@@ -91,7 +91,7 @@ def test_a_dropped_engine_compiles_nothing_more(tiny_dir, monkeypatch):
     it had left are not compiled (they would take the cores from whatever
     runs next)."""
     gate = hold_background_compile(monkeypatch)
-    llm = LLM(tiny_dir, progress=False, background_compile=True, **SMALL_ENGINE)
+    llm = LLM(tiny_dir, progress=False, warmup="background", **SMALL_ENGINE)
     runner = llm.engine.runner
     compiled = runner.num_compilations
     assert runner.compiling and runner.num_pending > 0
@@ -112,7 +112,7 @@ def test_serves_a_short_request_while_the_rest_compile(tiny_dir, workload, refer
     the compiled engine), and a step that no compiled bucket holds for the
     largest buckets, which the background thread compiles next; then the rest."""
     gate = hold_background_compile(monkeypatch)  # so that the steps below cannot use its buckets
-    llm = LLM(tiny_dir, progress=False, background_compile=True, **SMALL_ENGINE)
+    llm = LLM(tiny_dir, progress=False, warmup="background", **SMALL_ENGINE)
     runner = llm.engine.runner
     prompts, max_tokens = workload
     short = next(i for i, prompt in enumerate(prompts) if len(prompt) <= 16)
@@ -155,6 +155,51 @@ def test_serves_a_short_request_while_the_rest_compile(tiny_dir, workload, refer
     outputs = llm.generate(prompts[:4], [greedy(n) for n in max_tokens[:4]], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference[:4]
 
+
+def test_on_demand_compiles_only_the_buckets_steps_run(tiny_dir, workload, reference):
+    """warmup="on_demand": the engine serves once each layout's smallest
+    bucket is compiled and compiles nothing in the background; each step
+    runs in the bucket a fully compiled engine (warmup="all") runs it in,
+    compiled when the step first needs it. The programs compiled are the
+    first buckets' and those of the buckets the steps ran, nothing off the
+    grid; tokens are the reference's and logprobs a fully compiled
+    engine's, bit for bit (the same programs)."""
+    prompts, max_tokens = workload
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1) for n in max_tokens[:10]]
+    runs = {}
+    for warmup in ("all", "on_demand"):
+        llm = LLM(tiny_dir, progress=False, warmup=warmup, **SMALL_ENGINE)
+        runner, ran = llm.engine.runner, []
+        if warmup == "on_demand":
+            first = runner.first_buckets()
+            assert runner.num_compilations == len({p for b in first for p in runner.serving_programs(b)})
+            assert not runner.compiling and llm.stats()["num_programs_compiling"] == 0
+        choose = runner.bucket
+        runner.bucket = lambda *args, **kw: ran.append(choose(*args, **kw)) or ran[-1]
+        outputs = llm.generate(prompts[:10], params, use_tqdm=False)
+        runs[warmup] = ran, outputs
+        assert [o.outputs[0].token_ids for o in outputs] == reference[:10]
+    assert runs["on_demand"][0] == runs["all"][0]
+    for got, want in zip(runs["on_demand"][1], runs["all"][1]):
+        assert [lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids)] == \
+            [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+    forwards = {p for p in runner._executables if p[0] == "forward"}
+    assert forwards == {("forward", *b) for b in first + runs["on_demand"][0]}
+    assert llm.stats()["num_compilations_off_grid"] == 0 and runner.num_compilations < len(runner.programs())
+
+
+
+def test_warmup_option_and_its_older_form(monkeypatch):
+    from jaxinfer.engine.config import EngineConfig
+
+    assert EngineConfig(max_model_len=64, background_compile=False).warmup == "all"
+    assert EngineConfig(max_model_len=64, background_compile=True).warmup == "background"
+    monkeypatch.setenv("JAXINFER_WARMUP", "all")
+    assert EngineConfig(max_model_len=64).warmup == "all"
+    monkeypatch.delenv("JAXINFER_WARMUP")
+    assert EngineConfig(max_model_len=64).warmup == "background"
+    with pytest.raises(ValueError, match="warmup must be one of .*'lazy'"):
+        EngineConfig(max_model_len=64, warmup="lazy")
 
 def test_seeded_sampling_independent_of_batch(tiny_dir):
     llm = LLM(tiny_dir, progress=False, **SMALL_ENGINE)

@@ -23,7 +23,7 @@ import json, sys
 from jaxinfer import LLM, SamplingParams
 
 def start():
-    return LLM(sys.argv[1], max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, background_compile=False,
+    return LLM(sys.argv[1], max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, warmup="all",
                progress=False)
 
 llm = start()
@@ -40,11 +40,14 @@ print("RESULT " + json.dumps(result))
 # The same with background compilation (the default): what warm-up had loaded
 # when LLM() returned, and what after the background thread finished.
 # "ran": the programs its steps ran (the serving ones of the buckets they ran in).
-CHILD_BACKGROUND = CHILD.replace("background_compile=False", "background_compile=True").replace(
+CHILD_BACKGROUND = CHILD.replace('warmup="all"', 'warmup="background"').replace(
     "llm = start()", "llm = start()\nloaded_at_start = llm.engine.runner.num_loaded_before_serving").replace(
     "result = {", "llm.wait_compiled()\nresult = {").replace(
     '{"loaded"', '{"loaded_at_start": loaded_at_start, "compiling": llm.stats()["num_programs_compiling"], '
     '"ran": len({p for b in runner._ready for p in runner.serving_programs(b)}), "loaded"')
+# On demand: what its steps compiled, and loaded, by the end (the sampled request's sampler included).
+CHILD_ON_DEMAND = CHILD.replace('warmup="all"', 'warmup="on_demand"').replace(
+    'print("RESULT "', 'result.update(compiled=runner.num_compilations, loaded=runner.num_loaded)\nprint("RESULT "')
 # The same, with an engine started (and its programs stored) first in the same process.
 CHILD_SECOND_START = CHILD.replace("llm = start()", "del start().engine\nllm = start()")
 
@@ -135,3 +138,20 @@ def test_a_warm_start_loads_programs_as_steps_need_them(tiny, tmp_path):
     assert second["compiling"] == 0
     assert second["tokens"] == expected
     assert second["sampled"] == first["sampled"]  # its sampler loaded when the request needed it
+
+
+def test_on_demand_stores_what_its_steps_compiled_and_the_next_start_loads_it(tiny, tmp_path):
+    """warmup="on_demand" compiles only the buckets its steps run, and stores
+    each (the same executables a full warm-up stores): a second start running
+    the same requests loads every program it needs and compiles none; the
+    tokens are HF's, and the sampling request's the first start's."""
+    hf_model, model_dir = tiny
+    prompts = [np.random.default_rng(3).integers(0, 128, 20).tolist()]  # a 32-token bucket: not a first one
+    expected = [hf_greedy(hf_model, p, 10) for p in prompts]
+    cache = tmp_path / "cache"
+    first = start(model_dir, cache, prompts, child=CHILD_ON_DEMAND)
+    assert first["loaded"] == 0 and first["tokens"] == expected
+    assert len(entries(cache)) == first["compiled"] < first["programs"]
+    second = start(model_dir, cache, prompts, child=CHILD_ON_DEMAND)
+    assert second["loaded"] == second["compiled"] == first["compiled"]
+    assert second["tokens"] == expected and second["sampled"] == first["sampled"]

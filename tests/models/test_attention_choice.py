@@ -32,9 +32,8 @@ def test_pallas_interpret_engine_matches_native():
     expected = [o.outputs[0].token_ids for o in native.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in pallas.generate(prompts, params, use_tqdm=False)]
     assert got == expected
-    # Both decode-only and mixed steps ran through the kernels (compiled at warm-up, no more after).
-    pallas.wait_compiled()
-    assert pallas.stats()["num_compilations"] == len(pallas.engine.runner.programs())
+    # Both decode-only and mixed steps ran through the kernels, each in a bucket of the grid.
+    assert pallas.stats()["num_compilations_off_grid"] == 0
 
 
 def test_unknown_attention_is_rejected():

@@ -119,7 +119,7 @@ def test_engine_with_fused_weights_generates_as_transformers_and_adds_lora_per_p
     hf_model, directory = tiny
     model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend())
     engine = LLMEngine(model, EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
-                                           attention="pallas", background_compile=False, enable_lora=True,
+                                           attention="pallas", warmup="all", enable_lora=True,
                                            max_loras=2, max_lora_rank=8),
                        progress=False)
     rng = np.random.default_rng(14)
@@ -146,7 +146,7 @@ def test_speculative_engine_on_the_gpu_backend_generates_as_transformers(tiny):
     hf_model, directory = tiny
     model = jaxinfer.load(str(directory), progress=False, backend=GpuBackend())
     engine = LLMEngine(model, EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                                           attention="pallas", background_compile=False,
+                                           attention="pallas", warmup="all",
                                            speculative=dict(method="ngram", num_speculative_tokens=2, max_n=2,
                                                             disable_by_batch_size=None, adaptive=False)),
                        progress=False)

@@ -172,7 +172,7 @@ def test_gpu_checks_device_step_runs_the_engines_own_programs(tmp_path):
 
     directory = save_hf_model(make_hf_model("llama", seed=2), tmp_path)
     llm = jaxinfer.LLM(str(directory), progress=False, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                       num_kv_blocks=16, background_compile=False)
+                       num_kv_blocks=16, warmup="all")
     engine = llm.engine
     compiled = engine.runner.num_compilations
     for batch in (1, 3):

@@ -358,7 +358,6 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
 def test_64_concurrent_streams_complete_and_metrics_agree(server, reference):
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
     before = server.metrics()
-    compilations = server.llm.stats()["num_compilations"]
 
     async def one(prompt, max_tokens):
         stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
@@ -382,7 +381,7 @@ def test_64_concurrent_streams_complete_and_metrics_agree(server, reference):
     assert delta("jaxinfer:request_success_total", frozenset({("finished_reason", "length")})) == 64
     assert delta("jaxinfer:time_to_first_token_seconds_count") == 64
     assert delta("jaxinfer:e2e_request_latency_seconds_count") == 64
-    assert server.llm.stats()["num_compilations"] == compilations
+    assert server.llm.stats()["num_compilations_off_grid"] == 0  # every step of the load in a bucket of the grid
 
 
 # -- the engine thread's failure paths, over a scripted engine --------------------------------------
