@@ -116,6 +116,9 @@ class LLMEngine:
         )
         # Async scheduling: the launched step whose outputs are not processed yet.
         self._in_flight: tuple[ScheduledBatch, Launched] | None = None
+        # The runner's compilations when the current step began: a step that
+        # compiled is not timed for the adaptive drafting rule (_complete).
+        self._compilations_at_start = 0
         # The draft model's pool has as many blocks as the target's.
         self.proposer = build_proposer(spec, draft or model, config, num_blocks, progress)
         self.scheduler.on_release = self.proposer.release
@@ -378,6 +381,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        self._compilations_at_start = self.runner.num_compilations
         device_before = self.runner.device_time + self.proposer.device_time
         failed = self._admit_compiled() if self._pending else []
         batch = self.scheduler.schedule()
@@ -432,8 +436,10 @@ class LLMEngine:
     def _complete(self, batch: ScheduledBatch, launched: Launched, start: float) -> list[RequestOutput]:
         out = self.runner.complete(launched)
         outputs = self.output_processor.process(batch, out, self.requests)
-        # A step beside background compilation times the compilation too.
-        self.proposer.after_step(batch, out, None if self.runner.compiling else start)
+        # A step beside background compilation, or one that compiled its own
+        # programs (warmup="on_demand"), times the compilation too.
+        compiled = self.runner.compiling or self.runner.num_compilations != self._compilations_at_start
+        self.proposer.after_step(batch, out, None if compiled else start)
         return outputs
 
     def outstanding_tokens(self) -> tuple[int, int]:

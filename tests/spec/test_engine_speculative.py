@@ -354,7 +354,7 @@ def test_adaptive_drafting_is_exact_and_turns_off(plain, tiny_dir, eagle_head):
     from jaxinfer.engine.spec.policy import MIN_SAMPLES, PROBE_STEPS
 
     spec = dict(PROPOSERS["eagle"], model=eagle_head["eagle"], adaptive=True)
-    llm = LLM(tiny_dir, progress=False, speculative=spec, **ENGINE)
+    llm = LLM(tiny_dir, progress=False, speculative=spec, warmup="background", **ENGINE)
     prompt = [3, 1, 4, 1, 5]
     # Steps beside the background compilation (seconds of it; these take
     # milliseconds) time the compilation too: the rule is not told them.
@@ -369,6 +369,25 @@ def test_adaptive_drafting_is_exact_and_turns_off(plain, tiny_dir, eagle_head):
     # Without the rule every one of the ~80 steps would verify drafts.
     verifications = llm.stats()["spec_verifications"] - before
     assert 0 < verifications <= 2 * MIN_SAMPLES + 2 + 2 * PROBE_STEPS
+
+
+def test_adaptive_rule_is_not_told_steps_that_compiled(tiny_dir, eagle_head):
+    """On demand, a step that compiles its bucket's programs takes seconds
+    where it would take milliseconds: the adaptive rule gets no time for it
+    (as for a step beside a background compilation), and does for the others."""
+    spec = dict(PROPOSERS["eagle"], model=eagle_head["eagle"], adaptive=True)
+    llm = LLM(tiny_dir, progress=False, speculative=spec, warmup="on_demand", **ENGINE)
+    engine, steps = llm.engine, []
+    after_step = engine.proposer.after_step
+
+    def recording(batch, out, started):
+        steps.append((engine.runner.num_compilations != engine._compilations_at_start, started))
+        after_step(batch, out, started)
+
+    engine.proposer.after_step = recording
+    llm.generate([list(range(1, 21)), [3, 1, 4]], greedy(6), use_tqdm=False)  # a 32-token prompt bucket: compiled
+    assert any(compiled for compiled, _ in steps) and any(not compiled for compiled, _ in steps)
+    assert all((started is None) == compiled for compiled, started in steps)
 
 
 def test_throughput_benchmark_reports_acceptance(tiny_dir, draft_dir):
