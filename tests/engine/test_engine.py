@@ -188,7 +188,6 @@ def test_on_demand_compiles_only_the_buckets_steps_run(tiny_dir, workload, refer
     assert llm.stats()["num_compilations_off_grid"] == 0 and runner.num_compilations < len(runner.programs())
 
 
-
 def test_warmup_option_and_its_older_form(monkeypatch):
     from jaxinfer.engine.config import EngineConfig
 
@@ -200,6 +199,7 @@ def test_warmup_option_and_its_older_form(monkeypatch):
     assert EngineConfig(max_model_len=64).warmup == "background"
     with pytest.raises(ValueError, match="warmup must be one of .*'lazy'"):
         EngineConfig(max_model_len=64, warmup="lazy")
+
 
 def test_seeded_sampling_independent_of_batch(tiny_dir):
     llm = LLM(tiny_dir, progress=False, **SMALL_ENGINE)
