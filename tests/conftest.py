@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from tests.xla_flags import with_suite_level
+
 # Engines here compile each shape bucket when a step first needs it (EngineConfig.warmup):
 # most tests run a few prompts, and a background warm-up compiled every other bucket of
 # every engine they built, on the cores the other worker's tests ran on (half of the
@@ -9,6 +11,8 @@ import pytest
 # pytest run and the tests' subprocesses (which inherit it) do the same. Tests of the
 # other warm-ups ask for theirs.
 os.environ.setdefault("JAXINFER_WARMUP", "on_demand")
+# Before JAX starts its backend (it reads XLA_FLAGS then); tests/xla_flags.py says why.
+os.environ["XLA_FLAGS"] = with_suite_level(os.environ.get("XLA_FLAGS", ""))
 
 
 @pytest.fixture(scope="session")

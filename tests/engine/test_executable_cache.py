@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import hf_greedy, make_hf_model, save_hf_model
+from tests.xla_flags import product_level
 
 # One start of the engine on a tiny checkpoint, its caches under argv[2]:
 # prints what warm-up loaded and the greedy tokens of two prompts (batch 2,
@@ -52,8 +53,13 @@ CHILD_ON_DEMAND = CHILD.replace('warmup="all"', 'warmup="on_demand"').replace(
 CHILD_SECOND_START = CHILD.replace("llm = start()", "del start().engine\nllm = start()")
 
 
-def start(model_dir: Path, cache_dir: Path, prompts: list, child: str = CHILD, devices: int = 1) -> dict:
+def start(model_dir: Path, cache_dir: Path, prompts: list, child: str = CHILD, devices: int = 1,
+          xla_level: str = "suite") -> dict:
+    """One child process; xla_level "product": compiled at XLA's default
+    optimization level instead of the suite's (tests/xla_flags.py)."""
     env = {k: v for k, v in os.environ.items() if k != "JAXINFER_DISABLE_COMPILATION_CACHE"}
+    if xla_level == "product":
+        env = product_level(env)
     env["JAXINFER_CACHE_DIR"] = str(cache_dir)
     if devices > 1:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
@@ -81,12 +87,14 @@ def test_second_start_loads_every_program_and_matches_transformers(tiny, tmp_pat
     expected = [hf_greedy(hf_model, p, 10) for p in prompts]
     cache = tmp_path / "cache"
 
-    first = start(model_dir, cache, prompts)
+    # The product's own optimization level: the one test that runs it (the
+    # rest of the suite compiles at LLVM's lowest; tests/xla_flags.py).
+    first = start(model_dir, cache, prompts, xla_level="product")
     assert first["loaded"] == 0
     assert first["tokens"] == expected
     assert len(entries(cache)) == first["programs"]
 
-    second = start(model_dir, cache, prompts)
+    second = start(model_dir, cache, prompts, xla_level="product")
     assert second["loaded"] == second["programs"] == first["programs"]
     assert second["tokens"] == expected
 
@@ -94,7 +102,7 @@ def test_second_start_loads_every_program_and_matches_transformers(tiny, tmp_pat
     # serves every compilation: nothing may be stored from it.
     for entry in entries(cache):
         entry.unlink()
-    third = start(model_dir, cache, prompts)
+    third = start(model_dir, cache, prompts, xla_level="product")
     assert third["loaded"] == 0
     assert third["tokens"] == expected
     assert entries(cache) == []
@@ -103,7 +111,7 @@ def test_second_start_loads_every_program_and_matches_transformers(tiny, tmp_pat
     # programs again: JAX hands back its in-memory copy of what its
     # persistent cache served, with no cache-hit event (stored, such a copy
     # failed at the next start: "Function wrapped_iota not found").
-    fourth = start(model_dir, cache, prompts, child=CHILD_SECOND_START)
+    fourth = start(model_dir, cache, prompts, child=CHILD_SECOND_START, xla_level="product")
     assert fourth["tokens"] == expected
     assert entries(cache) == []
 

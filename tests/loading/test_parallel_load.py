@@ -13,7 +13,6 @@ GPU's, backends/gpu.py):
     layer on the shards the stacked weight's slice had.
 """
 
-import os
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from jaxinfer.quant.layer_weights import PerLayer
 from tests.gguf_writer import write_gguf, write_kquant_mix
 from tests.prequantized_writers import gptq_checkpoint
 from tests.tiny_models import make_hf_model, save_hf_model
+from tests.xla_flags import cpu_devices_env
 
 Q = gguf.GGMLQuantizationType
 
@@ -182,8 +182,7 @@ def test_per_layer_load_on_a_mesh(tmp_path):
     """On a 2-device mesh (a subprocess with 2 host devices) the per-layer
     load holds the stacked load's layers, each sharded as its slice."""
     path = save_hf_model(make_hf_model("llama_tp", seed=8), tmp_path / "llama_tp")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "JAXINFER_DISABLE_COMPILATION_CACHE": "1"}
+    env = cpu_devices_env(2)
     proc = subprocess.run([sys.executable, "-c", MESH_CHECK.format(path=str(path))],
                           cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
                           timeout=300)

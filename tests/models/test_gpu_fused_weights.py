@@ -13,7 +13,6 @@ one GEMM (or one Pallas kernel) reads each group in place. Checked on CPU:
   * groups whose weights differ in form stay apart.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +44,7 @@ from pallas_kernels.paged_decode_attention import default_num_splits
 from scripts.gpu.compiled_hlo import kernel_counts, weight_copies, weight_readers
 from tests.lora_helpers import last_row_logits, make_adapter, peft_model
 from tests.tiny_models import assert_logits_close, hf_greedy, hf_logits, make_hf_model, save_hf_model
+from tests.xla_flags import cpu_devices_env
 
 HF_NAMES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
             "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
@@ -275,8 +275,7 @@ params = shard_params(random_params(), mesh)
 assert len(params["layers"]["wq"].sharding.device_set) == 2
 print(sorted(GpuBackend().arrange_weights(params)["layers"]))
 """
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "JAXINFER_DISABLE_COMPILATION_CACHE": "1"}
+    env = cpu_devices_env(2)
     proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

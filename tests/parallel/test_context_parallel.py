@@ -9,7 +9,6 @@ The allocator's ownership and balance, the size rules and the CLI flag are
 checked here, in-process.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from jaxinfer.cli import _parallel_options, build_parser
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.block_ownership import OwnedFreeBlocks, block_owner
 from jaxinfer.parallel.mesh import check_parallel_sizes
+from tests.xla_flags import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,12 +34,7 @@ def test_context_parallel_engine_and_attention_equal_single_device():
     one device's budget is served at CP 4 with balanced blocks; the compiled
     steps hold only the ring's permutes, the statistics' all-to-all / all-gather
     (and TP's usual collectives)."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "JAXINFER_DISABLE_COMPILATION_CACHE": "1",
-    }
+    env = cpu_devices_env(8)
     groups = ["attention", "capacity", "engine"]
     proc = subprocess.run([sys.executable, "-m", "tests.ring_checks", *groups], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)

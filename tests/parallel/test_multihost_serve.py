@@ -11,7 +11,6 @@ engine options are refused at start.
 """
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 import tokenizers
 
 from tests.tiny_models import hf_greedy, make_hf_model, save_hf_model
+from tests.xla_flags import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
@@ -45,8 +45,7 @@ def start_pair(model_dir, extra=((), ())):
     coordinator, ports = free_port(), [free_port(), free_port()]
     procs = []
     for process_id in range(2):
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
-               "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo", "JAXINFER_DISABLE_COMPILATION_CACHE": "1"}
+        env = cpu_devices_env(1, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
         for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
             env.pop(name, None)
         command = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(model_dir), *ENGINE,

@@ -8,7 +8,6 @@ balancer and the CLI / multi-host argument plumbing are checked here,
 in-process.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from jaxinfer.parallel.sharding import (
     part_spec,
     sharded_config,
 )
+from tests.xla_flags import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,12 +41,7 @@ def group_logs() -> dict[str, str]:
     a group printed nothing (the process died)."""
     from tests.parallel_checks import GROUP_START, GROUPS
 
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "JAXINFER_DISABLE_COMPILATION_CACHE": "1",
-    }
+    env = cpu_devices_env(8)
     proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks", *GROUPS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800)
     logs = {}
@@ -114,9 +109,8 @@ def test_multihost_lockstep_two_processes(tmp_path):
         port = s.getsockname()[1]
     procs = []
     for process_id in range(2):
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-               "JAXINFER_DISABLE_COMPILATION_CACHE": "1", "JAX_COORDINATOR_ADDRESS": f"localhost:{port}",
-               "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process_id)}
+        env = cpu_devices_env(2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+                              JAX_PROCESS_ID=str(process_id))
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.parallel_checks", "multihost", directory],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
