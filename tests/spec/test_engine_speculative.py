@@ -160,6 +160,7 @@ def check_eagle_drafts(llm, calls) -> None:
     """The features an EAGLE proposal used are the target's own (a cache-free
     forward over the sequence), and its drafts are the head's greedy chain
     recomputed over the whole window for every draft (no K/V buffer)."""
+    import jax
     import jax.numpy as jnp
 
     from jaxinfer.models.attention import full_sequence_attention
@@ -168,6 +169,20 @@ def check_eagle_drafts(llm, calls) -> None:
 
     proposer = llm.engine.proposer
     model, config = llm.model, llm.model.config
+
+    @jax.jit
+    def target_features(params, ids):
+        positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+        return forward(params, config, ids, positions, full_sequence_attention(positions), backend=model.backend,
+                       final_norm=False)[0]
+
+    @jax.jit
+    def head_draft(head, params, tokens, features, positions):
+        """The head over the whole window: (its features at the last entry, their draft logits)."""
+        out, _ = head_features(head, params, config, tokens, features, positions,
+                               window_attention(jnp.ones(tokens.shape, bool)), backend=model.backend)
+        return out[0, -1], draft_logits(head, params, config, out[0, -1], backend=model.backend)
+
     checked = 0
     for call in [c for c in calls if "drafts" in c][::3]:
         for row, (length, first) in enumerate(zip(call["lengths"], call["first"])):
@@ -176,10 +191,11 @@ def check_eagle_drafts(llm, calls) -> None:
                 continue  # a padding row of the batch bucket
             seq_tokens = next(t for t in call["tokens"] if t[first: first + length] == tokens.tolist()
                               and len(t) == first + length)
-            ids = jnp.asarray(seq_tokens, jnp.int32)[None]
-            positions = jnp.arange(len(seq_tokens), dtype=jnp.int32)[None]
-            feats, _ = forward(model.params, config, ids, positions, full_sequence_attention(positions),
-                               backend=model.backend, final_norm=False)
+            # Padded at the end to a power of two, so that few lengths compile: under causal
+            # attention the padding changes no earlier position's features.
+            ids = np.zeros((1, 1 << (len(seq_tokens) - 1).bit_length()), np.int32)
+            ids[0, :len(seq_tokens)] = seq_tokens
+            feats = target_features(model.params, ids)
             np.testing.assert_allclose(call["features"][row, :length], np.asarray(feats[0, first - 1: first - 1 + length]),
                                        rtol=1e-4, atol=1e-4)
             entries_tokens, entries_feats = list(tokens), list(call["features"][row, :length])
@@ -187,9 +203,7 @@ def check_eagle_drafts(llm, calls) -> None:
                 t = jnp.asarray(entries_tokens, jnp.int32)[None]
                 f = jnp.asarray(np.stack(entries_feats))[None]
                 pos = first + jnp.arange(len(entries_tokens), dtype=jnp.int32)[None]
-                out, _ = head_features(proposer.head, model.params, config, t, f, pos,
-                                       window_attention(jnp.ones(t.shape, bool)), backend=model.backend)
-                logits = draft_logits(proposer.head, model.params, config, out[0, -1], backend=model.backend)
+                last, logits = head_draft(proposer.head, model.params, t, f, pos)
                 if "d2t" in proposer.head:  # the draft vocabulary's argmax, as the target id it stands for
                     assert logits.shape == (96,)
                     token = int(np.asarray(proposer.head["d2t"])[int(jnp.argmax(logits))])
@@ -198,9 +212,9 @@ def check_eagle_drafts(llm, calls) -> None:
                     token = int(jnp.argmax(logits))
                 assert token == call["drafts"][row, j]
                 entries_tokens.append(token)
-                entries_feats.append(np.asarray(out[0, -1]))
+                entries_feats.append(np.asarray(last))
             checked += 1
-            if checked == 6:  # un-jitted recomputation is slow; six proposals cover the plumbing
+            if checked == 6:  # each window length compiles its own head program; six proposals cover the plumbing
                 return
     assert checked >= 3
 
