@@ -116,9 +116,6 @@ class LLMEngine:
         )
         # Async scheduling: the launched step whose outputs are not processed yet.
         self._in_flight: tuple[ScheduledBatch, Launched] | None = None
-        # The runner's compilations when the current step began: a step that
-        # compiled is not timed for the adaptive drafting rule (_complete).
-        self._compilations_at_start = 0
         # The draft model's pool has as many blocks as the target's.
         self.proposer = build_proposer(spec, draft or model, config, num_blocks, progress)
         self.scheduler.on_release = self.proposer.release
@@ -381,7 +378,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        self._compilations_at_start = self.runner.num_compilations
+        compilations = self.runner.num_compilations
         device_before = self.runner.device_time + self.proposer.device_time
         failed = self._admit_compiled() if self._pending else []
         batch = self.scheduler.schedule()
@@ -399,14 +396,14 @@ class LLMEngine:
             launched, outputs = self._guarded(batch, lambda: (batch, self.runner.launch(batch, tables)))
         if self._in_flight is not None:  # the previous step, behind which this one is queued
             in_flight, self._in_flight = self._in_flight, None
-            processed, failures = self._guarded(in_flight[0], lambda: self._complete(*in_flight, start))
+            processed, failures = self._guarded(in_flight[0], lambda: self._complete(*in_flight, start, compilations))
             outputs += (processed or []) + failures
         if launched is not None:
             if self._overlaps(batch):
                 self.output_processor.expect(batch, launched[1].num_emitted)
                 self._in_flight = launched
             else:
-                processed, failures = self._guarded(batch, lambda: self._complete(*launched, start))
+                processed, failures = self._guarded(batch, lambda: self._complete(*launched, start, compilations))
                 outputs += (processed or []) + failures
         device = self.runner.device_time + self.proposer.device_time - device_before
         self.device_time += device
@@ -433,12 +430,17 @@ class LLMEngine:
             log.exception("engine step failed; failing the %d request(s) it held", len(batch.sequences))
             return None, self._fail_step(batch, f"engine step failed: {type(e).__name__}: {e}")
 
-    def _complete(self, batch: ScheduledBatch, launched: Launched, start: float) -> list[RequestOutput]:
+    def _complete(self, batch: ScheduledBatch, launched: Launched, start: float,
+                  compilations: int) -> list[RequestOutput]:
+        """Process a launched batch's outputs; `start` and `compilations`: the
+        wall clock and the runner's compilation count when the engine step
+        that completes it began (the same step that launched it whenever
+        drafting runs: speculation never schedules asynchronously)."""
         out = self.runner.complete(launched)
         outputs = self.output_processor.process(batch, out, self.requests)
         # A step beside background compilation, or one that compiled its own
         # programs (warmup="on_demand"), times the compilation too.
-        compiled = self.runner.compiling or self.runner.num_compilations != self._compilations_at_start
+        compiled = self.runner.compiling or self.runner.num_compilations != compilations
         self.proposer.after_step(batch, out, None if compiled else start)
         return outputs
 

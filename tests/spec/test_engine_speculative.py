@@ -391,14 +391,18 @@ def test_adaptive_rule_is_not_told_steps_that_compiled(tiny_dir, eagle_head):
     (as for a step beside a background compilation), and does for the others."""
     spec = dict(PROPOSERS["eagle"], model=eagle_head["eagle"], adaptive=True)
     llm = LLM(tiny_dir, progress=False, speculative=spec, warmup="on_demand", **ENGINE)
-    engine, steps = llm.engine, []
-    after_step = engine.proposer.after_step
+    engine, steps, at_step_start = llm.engine, [], []
+    step, after_step = engine.step, engine.proposer.after_step
+
+    def counting_step():  # the runner's compilations when each step begins
+        at_step_start.append(engine.runner.num_compilations)
+        return step()
 
     def recording(batch, out, started):
-        steps.append((engine.runner.num_compilations != engine._compilations_at_start, started))
+        steps.append((engine.runner.num_compilations != at_step_start[-1], started))
         after_step(batch, out, started)
 
-    engine.proposer.after_step = recording
+    engine.step, engine.proposer.after_step = counting_step, recording
     llm.generate([list(range(1, 21)), [3, 1, 4]], greedy(6), use_tqdm=False)  # a 32-token prompt bucket: compiled
     assert any(compiled for compiled, _ in steps) and any(not compiled for compiled, _ in steps)
     assert all((started is None) == compiled for compiled, started in steps)
