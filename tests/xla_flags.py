@@ -38,6 +38,10 @@ def cpu_devices_env(devices: int, **extra: str) -> dict:
     reach the child) on the CPU with `devices` host devices, no persistent
     compilation cache, and `extra` on top."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXINFER_DISABLE_COMPILATION_CACHE": "1", **extra}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-    env["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={devices}"])
-    return env
+    return {**env, "XLA_FLAGS": with_device_count(env.get("XLA_FLAGS", ""), devices)}
+
+
+def with_device_count(flags: str, devices: int) -> str:
+    """XLA_FLAGS giving the CPU `devices` host devices (any other count dropped)."""
+    kept = [f for f in flags.split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.tiny_models import hf_greedy, make_hf_model, save_hf_model
-from tests.xla_flags import product_level
+from tests.xla_flags import product_level, with_device_count
 
 # One start of the engine on a tiny checkpoint, its caches under argv[2]:
 # prints what warm-up loaded and the greedy tokens of two prompts (batch 2,
@@ -62,7 +62,7 @@ def start(model_dir: Path, cache_dir: Path, prompts: list, child: str = CHILD, d
         env = product_level(env)
     env["JAXINFER_CACHE_DIR"] = str(cache_dir)
     if devices > 1:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+        env["XLA_FLAGS"] = with_device_count(env.get("XLA_FLAGS", ""), devices)
     out = subprocess.run([sys.executable, "-c", child, str(model_dir), json.dumps(prompts)], env=env,
                          capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr[-3000:]

@@ -166,6 +166,7 @@ def check_eagle_drafts(llm, calls) -> None:
     from jaxinfer.models.attention import full_sequence_attention
     from jaxinfer.models.llama import forward
     from jaxinfer.engine.spec.eagle_head import draft_logits, head_features, window_attention
+    from jaxinfer.utils import bucket_size
 
     proposer = llm.engine.proposer
     model, config = llm.model, llm.model.config
@@ -191,9 +192,9 @@ def check_eagle_drafts(llm, calls) -> None:
                 continue  # a padding row of the batch bucket
             seq_tokens = next(t for t in call["tokens"] if t[first: first + length] == tokens.tolist()
                               and len(t) == first + length)
-            # Padded at the end to a power of two, so that few lengths compile: under causal
-            # attention the padding changes no earlier position's features.
-            ids = np.zeros((1, 1 << (len(seq_tokens) - 1).bit_length()), np.int32)
+            # Padded at the end to a bucket (as Model.logits pads), so that few lengths compile:
+            # under causal attention the padding changes no earlier position's features.
+            ids = np.zeros((1, bucket_size(len(seq_tokens))), np.int32)
             ids[0, :len(seq_tokens)] = seq_tokens
             feats = target_features(model.params, ids)
             np.testing.assert_allclose(call["features"][row, :length], np.asarray(feats[0, first - 1: first - 1 + length]),
