@@ -46,7 +46,7 @@ from jaxinfer.backends import cpu_weights
 from jaxinfer.backends.host_memory import available_host_bytes, keep_freed_host_memory
 from jaxinfer.backends.xla import XlaBackend
 from jaxinfer.models.paged_attention import PagedAttentionMetadata
-from jaxinfer.native import matmul, paged_attention, zeroed_buffer
+from jaxinfer.native import kquant_matmul, matmul, paged_attention, zeroed_buffer
 from jaxinfer.native.build import cpu_has
 from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.kquant import KQuantTensor
@@ -95,8 +95,10 @@ class CpuBackend(XlaBackend):
 
     def keeps_k_quants_as_stored(self) -> bool:
         """K-quants at the file's size, multiplied by native/kquant_matmul.cc
-        (and q8_matmul.cc's K-quant handler), which need AVX-512."""
-        return self.native and cpu_has("avx512f")
+        (AVX-512, or AVX2 with FMA and F16C) and, with int8 activations,
+        q8_matmul.cc's K-quant handler (AVX512-VNNI; elsewhere the exact
+        kernel on the rounded activations)."""
+        return self.native and kquant_matmul.cpu_takes_kernel()
 
     def lookup_reads_head(self, few_row_head) -> bool:
         return self.native and cpu_weights.lookup_reads_head(few_row_head)

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 # -march=native: a native library is built on, and cached for, the machine that runs it.
 NATIVE_CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
 # The headers every kernel may include, as "jaxinfer/native/<name>" (part of each build's cache key).
-NATIVE_HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "kquant_layer.h"))
+NATIVE_HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "kquant_layer.h", "vec16.h"))
 
 
 @functools.cache

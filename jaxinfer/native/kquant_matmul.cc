@@ -1,8 +1,9 @@
 // Matmul of float32 activations by K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K,
 // Q6_K) held as the file stores them (quant/kquant.py, KQuantTensor, in tiles
 // of 64 columns), for XLA:CPU through the XLA FFI (native/kquant_matmul.py
-// builds and registers it). AVX-512 only; elsewhere the build fails on
-// purpose and quant/linear.py multiplies the dequantized weight in XLA.
+// builds and registers it). AVX-512, or AVX2 with FMA and F16C (vec16.h:
+// the same lanes, operations and order on both); elsewhere the build fails
+// on purpose and quant/linear.py multiplies the dequantized weight in XLA.
 //
 // Why: matmul.cc multiplies int8 / int4 codes with float32 scales per group.
 // A K-quant weight in that form carries 4 bytes of scale (and 4 of offset)
@@ -36,8 +37,10 @@
 // above are in the table). A code is then a shift and a lookup; with one
 // high bit (Q3_K, Q5_K) two shifts, a bitwise select of the low bits and the
 // high bit into one index and one lookup of the whole code; with two (Q6_K)
-// two shifts and lookups and an add of the two exact integers. Every way
-// gives the same float, so the sums below do not depend on it.
+// two shifts and lookups and an add of the two exact integers. AVX2 has no
+// 16-entry permute: there the code's bits are masked into one integer,
+// converted, and the bias subtracted. Every way gives the same float, so the
+// sums below do not depend on it.
 //
 // Computed per group g of `group` inputs, per row r and column c, in this order:
 //
@@ -51,10 +54,6 @@
 // registers, up to 8 rows) and the many-row path (each group's codes
 // expanded once into an L1 buffer for all rows) do the same operations in
 // the same order.
-#if !defined(__AVX512F__)
-#error "the K-quant matmul needs AVX-512 (-march=native on a CPU without it); XLA runs it instead"
-#endif
-
 #include <immintrin.h>
 
 #include <algorithm>
@@ -64,9 +63,11 @@
 
 #include "jaxinfer/native/kquant_layer.h"
 #include "jaxinfer/native/parallel.h"
+#include "jaxinfer/native/vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+namespace vec = jaxinfer::vec16;
 
 namespace {
 
@@ -85,8 +86,18 @@ using jaxinfer::kquant::Shape;
 using jaxinfer::kquant::ShapeOf;
 
 constexpr int64_t kRowBlock = 8;      // the few-row path's rows at most
-constexpr int64_t kTileRows = 6;      // the many-row path's register tile of rows
 constexpr int64_t kMaxTaskRows = 36;  // the many-row path's rows per task at most
+// The many-row path's register tile: kTileRows rows x kTileVectors vectors of
+// partial sums beside the kTileVectors weight vectors they multiply (AVX-512
+// 24 + 4 of 32 registers; AVX2, two registers a vector, 12 + 2 of 16).
+constexpr int64_t kTileRows = 6;
+constexpr int kTileVectors = vec::kVecRegisters == 32 ? 4 : 1;
+// Rows up to which the few-row path serves (PlanKind). AVX2's 16 registers
+// hold one row's 4 vectors of sums (8 registers) beside a code's expansion,
+// so its few-row path takes one row (expanding the codes again for each
+// further row cost more than the many-row path's L1 buffer: batch 8 of a
+// 0.47B Q4_K_M 241 ms a step, against 200 with matmul.cc's int4 copy).
+constexpr int64_t kFewRowsMax = vec::kVecRegisters == 32 ? kRowBlock : 1;
 
 // A kind's numbers (kquant_layer.h, ShapeOf) as constants of the kernels'
 // templates: the shifts, masks and tables compile to immediates.
@@ -124,6 +135,7 @@ Tile TileOf(const Problem& p, int64_t tile) {
           p.dmin ? p.dmin + tile * p.supers * area : nullptr};
 }
 
+#if defined(__AVX512F__)
 // The tables Floats looks codes up in (vpermps reads an index's low 4 bits,
 // vpermt2ps its low 5, from two tables). Kinds without high bits: the low
 // bits' value at each 4-bit index (the bits above masked off by the table).
@@ -153,22 +165,38 @@ inline __m512 HighTable() {
   return _mm512_load_ps(table);
 }
 
+// What Floats is handed: the two tables.
+struct Tables {
+  __m512 low, high;
+};
+template <int64_t kKind>
+inline Tables TablesOf() {
+  return {LowTable<kKind>(), HighTable<kKind>()};
+}
+#else
+struct Tables {};  // AVX2 composes each code's integer instead (Run::Floats)
+template <int64_t kKind>
+inline Tables TablesOf() {
+  return {};
+}
+#endif
+
 template <int kShift>
-inline __m512i ShiftRight(__m512i v) {
+inline vec::I ShiftedRight(vec::I v) {
   if constexpr (kShift == 0) {
     return v;
   } else {
-    return _mm512_srli_epi32(v, kShift);
+    return vec::ShiftRight<kShift>(v);
   }
 }
 
 // v with bit kFrom of each lane at bit kTo (one shift by an immediate).
 template <int kFrom, int kTo>
-inline __m512i MoveBits(__m512i v) {
+inline vec::I MoveBits(vec::I v) {
   if constexpr (kFrom >= kTo) {
-    return ShiftRight<kFrom - kTo>(v);
+    return ShiftedRight<kFrom - kTo>(v);
   } else {
-    return _mm512_slli_epi32(v, kTo - kFrom);
+    return vec::ShiftLeft<kTo - kFrom>(v);
   }
 }
 
@@ -231,32 +259,44 @@ struct Run {
   }
 
   // Input kInput of the run, the 16 columns of quarter kQuarter, as floats
-  // (the tables: LowTable, HighTable). kHighShift: HighShiftOf the run.
+  // (AVX-512: the tables, LowTable and HighTable). kHighShift: HighShiftOf the run.
   template <int kInput, int kQuarter, int kHighShift>
-  __m512 Floats(__m512 low_table, __m512 high_table) const {
-    const __m512i low_bits = ShiftRight<F::kLow * kInput>(_mm512_loadu_si512(low + kQuarter * kTileColumns));
-    if constexpr (F::kHigh == 0) {
-      const __m512 v = _mm512_permutexvar_ps(low_bits, low_table);
-      return F::kBias ? _mm512_sub_ps(v, _mm512_set1_ps(static_cast<float>(F::kBias))) : v;
-    } else {
-      constexpr int kHighBit = 8 * (kInput / kPerByte) + F::kHigh * (kInput % kPerByte) + kHighShift;
-      __m512i high_bits = _mm512_loadu_si512(high + kQuarter * kTileColumns);
-      if constexpr (kGroupInChunk) high_bits = _mm512_srl_epi32(high_bits, _mm_cvtsi32_si128(group_shift));
-      if constexpr (F::kHigh == 1) {
-        // One lookup of the whole code: the low bits, and the high bit moved
-        // beside them (a bitwise select, vpternlogd 0xCA: mask ? low : high).
-        const __m512i index = _mm512_ternarylogic_epi32(_mm512_set1_epi32((1 << F::kLow) - 1), low_bits,
-                                                        MoveBits<kHighBit, F::kLow>(high_bits), 0xCA);
-        if constexpr (F::kLow == 4) {
-          return _mm512_permutex2var_ps(low_table, index, high_table);
-        } else {
-          return _mm512_permutexvar_ps(index, low_table);
-        }
-      } else {
-        return _mm512_add_ps(_mm512_permutexvar_ps(low_bits, low_table),
-                             _mm512_permutexvar_ps(ShiftRight<kHighBit>(high_bits), high_table));
-      }
+  vec::F Floats(const Tables& tables) const {
+    const vec::I low_bits = ShiftedRight<F::kLow * kInput>(vec::Pinned(vec::LoadInts(low + kQuarter * kTileColumns)));
+    constexpr int kHighBit = F::kHigh == 0 ? 0 : 8 * (kInput / kPerByte) + F::kHigh * (kInput % kPerByte) + kHighShift;
+    vec::I high_bits{};
+    if constexpr (F::kHigh > 0) {
+      high_bits = vec::LoadInts(high + kQuarter * kTileColumns);
+      if constexpr (kGroupInChunk) high_bits = vec::ShiftRightBy(high_bits, group_shift);
     }
+#if defined(__AVX512F__)
+    if constexpr (F::kHigh == 0) {
+      const __m512 v = _mm512_permutexvar_ps(low_bits, tables.low);
+      return F::kBias ? _mm512_sub_ps(v, _mm512_set1_ps(static_cast<float>(F::kBias))) : v;
+    } else if constexpr (F::kHigh == 1) {
+      // One lookup of the whole code: the low bits, and the high bit moved
+      // beside them (a bitwise select, vpternlogd 0xCA: mask ? low : high).
+      const __m512i index = _mm512_ternarylogic_epi32(_mm512_set1_epi32((1 << F::kLow) - 1), low_bits,
+                                                      MoveBits<kHighBit, F::kLow>(high_bits), 0xCA);
+      if constexpr (F::kLow == 4) {
+        return _mm512_permutex2var_ps(tables.low, index, tables.high);
+      } else {
+        return _mm512_permutexvar_ps(index, tables.low);
+      }
+    } else {
+      return _mm512_add_ps(_mm512_permutexvar_ps(low_bits, tables.low),
+                           _mm512_permutexvar_ps(ShiftedRight<kHighBit>(high_bits), tables.high));
+    }
+#else
+    // The code as one integer (the low bits, the high bits moved above them), less the bias.
+    vec::I code = vec::And(low_bits, vec::SetInts((1 << F::kLow) - 1));
+    if constexpr (F::kHigh > 0) {
+      code = vec::Or(code, vec::And(MoveBits<kHighBit, F::kLow>(high_bits),
+                                    vec::SetInts(((1 << F::kHigh) - 1) << F::kLow)));
+    }
+    const vec::F v = vec::ToFloat(code);
+    return F::kBias ? vec::Sub(v, vec::Set(static_cast<float>(F::kBias))) : v;
+#endif
   }
 };
 
@@ -270,59 +310,55 @@ __attribute__((always_inline)) inline void ForRunsOfGroup(Fn&& fn) {
 // Group g's scales (d * sub_scale) and minimums (dmin * sub_min) of the 16
 // columns at 16 * k of a tile.
 template <int64_t kKind>
-inline void GroupScales(const Tile& t, int64_t g, int k, __m512* scale, __m512* minimum) {
+inline void GroupScales(const Tile& t, int64_t g, int k, vec::F* scale, vec::F* minimum) {
   using F = Format<kKind>;
   const int64_t s = g * F::kGroup / kSuperBlock;
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t.sub_scales + g * kTileColumns + 16 * k));
-  __m512i sub;
+  const uint8_t* bytes = t.sub_scales + g * kTileColumns + 16 * k;
+  vec::I sub;
   if constexpr (F::kSignedScales) {
-    sub = _mm512_cvtepi8_epi32(bytes);
+    sub = vec::FromSignedBytes(bytes);
   } else {
-    sub = _mm512_cvtepu8_epi32(bytes);
+    sub = vec::FromBytes(bytes);
   }
-  if constexpr (F::kMins == kPacked) sub = _mm512_and_si512(sub, _mm512_set1_epi32(0x0F));
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.d + s * kTileColumns + 16 * k)));
-  *scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sub));
+  if constexpr (F::kMins == kPacked) sub = vec::And(sub, vec::SetInts(0x0F));
+  *scale = vec::Mul(vec::FromHalves(t.d + s * kTileColumns + 16 * k), vec::ToFloat(sub));
   if constexpr (F::kMins != kNone) {
-    __m512i m;
+    vec::I m;
     if constexpr (F::kMins == kPacked) {
-      m = _mm512_srli_epi32(_mm512_cvtepu8_epi32(bytes), 4);
+      m = vec::ShiftRight<4>(vec::FromBytes(bytes));
     } else {
-      m = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(t.sub_mins + g * kTileColumns + 16 * k)));
+      m = vec::FromBytes(t.sub_mins + g * kTileColumns + 16 * k);
     }
-    const __m512 dmin =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.dmin + s * kTileColumns + 16 * k)));
-    *minimum = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m));
+    *minimum = vec::Mul(vec::FromHalves(t.dmin + s * kTileColumns + 16 * k), vec::ToFloat(m));
   }
 }
 
-// result (16 * kVectors floats a row, rows [row0, row0 + kRows)) += group g's
+// result (kRowFloats floats a row, rows [row0, row0 + kRows)) += group g's
 // dots acc[.][v] of vector v, scaled, less the minimums times the group's
 // sums of x.
-template <int64_t kKind, int kRows, int kVectors>
-__attribute__((always_inline)) inline void FoldVector(const Problem& p, const __m512 (&acc)[kRows][kVectors], int v,
-                                                      __m512 scale, __m512 minimum, int64_t g, int64_t row0,
+template <int64_t kKind, int kRows, int kVectors, int kRowFloats = 16 * kVectors>
+__attribute__((always_inline)) inline void FoldVector(const Problem& p, const vec::F (&acc)[kRows][kVectors], int v,
+                                                      vec::F scale, vec::F minimum, int64_t g, int64_t row0,
                                                       const float* x_sums, float* result) {
 #pragma GCC unroll 16
   for (int r = 0; r < kRows; ++r) {
-    float* out = result + (row0 + r) * 16 * kVectors + 16 * v;
-    __m512 sum = _mm512_fmadd_ps(scale, acc[r][v], _mm512_load_ps(out));
+    float* out = result + (row0 + r) * kRowFloats + 16 * v;
+    vec::F sum = vec::MulAdd(scale, acc[r][v], vec::Load(out));
     if constexpr (Format<kKind>::kMins != kNone) {
-      sum = _mm512_fnmadd_ps(minimum, _mm512_set1_ps(x_sums[(row0 + r) * p.groups + g]), sum);
+      sum = vec::NegMulAdd(minimum, vec::Set(x_sums[(row0 + r) * p.groups + g]), sum);
     }
-    _mm512_store_ps(out, sum);
+    vec::Store(out, sum);
   }
 }
 
 // FoldVector for every vector; vector v is vector v % 4 of tile tiles[v / 4].
 template <int64_t kKind, int kRows, int kVectors>
 __attribute__((always_inline)) inline void FoldGroup(const Problem& p, const Tile* tiles,
-                                                     const __m512 (&acc)[kRows][kVectors], int64_t g, int64_t row0,
+                                                     const vec::F (&acc)[kRows][kVectors], int64_t g, int64_t row0,
                                                      const float* x_sums, float* result) {
 #pragma GCC unroll 16
   for (int v = 0; v < kVectors; ++v) {
-    __m512 scale, minimum = _mm512_setzero_ps();
+    vec::F scale, minimum = vec::Zero();
     GroupScales<kKind>(tiles[v / 4], g, v % 4, &scale, &minimum);
     FoldVector<kKind, kRows, kVectors>(p, acc, v, scale, minimum, g, row0, x_sums, result);
   }
@@ -338,10 +374,10 @@ void FewRowsGroup(const Problem& p, const Tile* tiles, int64_t g, int64_t row0, 
                   float* result) {
   using F = Format<kKind>;
   constexpr int kTiles = kVectors / 4;
-  const __m512 low_table = LowTable<kKind>(), high_table = HighTable<kKind>();
-  __m512 acc[kRows][kVectors];
+  const Tables tables = TablesOf<kKind>();
+  vec::F acc[kRows][kVectors];
   for (int r = 0; r < kRows; ++r)
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = vec::Zero();
   const float* x = p.x + row0 * p.in + g * F::kGroup;
   constexpr int kRun = Run<kKind>::kRun;
   ForRunsOfGroup<kKind>([&](int64_t run, auto high_shift) __attribute__((always_inline)) {
@@ -353,14 +389,28 @@ void FewRowsGroup(const Problem& p, const Tile* tiles, int64_t g, int64_t row0, 
     // takes its inputs in order, so the sums are the same.
     Unroll<kTiles>([&](auto l) __attribute__((always_inline)) {
       const Run<kKind> codes(tiles[l], index);
-      Unroll<kRun>([&](auto input) __attribute__((always_inline)) {
-        __m512 xi[kRows];
-        for (int r = 0; r < kRows; ++r) xi[r] = _mm512_set1_ps(x[r * p.in + run * kRun + input]);
-        Unroll<4>([&](auto quarter) __attribute__((always_inline)) {
-          const __m512 w = codes.template Floats<input, quarter, decltype(high_shift)::value>(low_table, high_table);
-          for (int r = 0; r < kRows; ++r) acc[r][4 * l + quarter] = _mm512_fmadd_ps(w, xi[r], acc[r][4 * l + quarter]);
+      if constexpr (vec::kVecRegisters == 32) {
+        Unroll<kRun>([&](auto input) __attribute__((always_inline)) {
+          vec::F xi[kRows];
+          for (int r = 0; r < kRows; ++r) xi[r] = vec::Set(x[r * p.in + run * kRun + input]);
+          Unroll<4>([&](auto quarter) __attribute__((always_inline)) {
+            const vec::F w = codes.template Floats<input, quarter, decltype(high_shift)::value>(tables);
+            for (int r = 0; r < kRows; ++r) acc[r][4 * l + quarter] = vec::MulAdd(w, xi[r], acc[r][4 * l + quarter]);
+          });
         });
-      });
+      } else {
+        // AVX2: quarter by quarter, so that only one quarter's code lines
+        // are live beside the sums (input by input, g++ kept every
+        // quarter's shifted lines on the stack); x is broadcast from memory.
+        Unroll<4>([&](auto quarter) __attribute__((always_inline)) {
+          Unroll<kRun>([&](auto input) __attribute__((always_inline)) {
+            const vec::F w = codes.template Floats<input, quarter, decltype(high_shift)::value>(tables);
+            for (int r = 0; r < kRows; ++r) {
+              acc[r][4 * l + quarter] = vec::MulAdd(w, vec::Set(x[r * p.in + run * kRun + input]), acc[r][4 * l + quarter]);
+            }
+          });
+        });
+      }
     });
   });
   FoldGroup<kKind, kRows, kVectors>(p, tiles, acc, g, row0, x_sums, result);
@@ -385,9 +435,11 @@ void FewRowsTask(const Problem& p, int64_t tile, int64_t g_begin, int64_t g_end,
         FewRowsGroup<kKind, 2, 8>(p, tiles, g, 0, x_sums, result);
       }
     } else {
-      for (int64_t row = 0; row < p.rows;) {  // row tiles of 4, 3, 2 and 1
+      for (int64_t row = 0; row < p.rows;) {  // row tiles of 4, 3, 2 and 1 (AVX2: one row)
         const int64_t left = p.rows - row;
-        if (left >= 4 && left != 5 && left != 6) {
+        if constexpr (kFewRowsMax == 1) {
+          FewRowsGroup<kKind, 1, 4>(p, tiles, g, row, x_sums, result), row += 1;
+        } else if (left >= 4 && left != 5 && left != 6) {
           FewRowsGroup<kKind, 4, 4>(p, tiles, g, row, x_sums, result), row += 4;
         } else if (left >= 3) {
           FewRowsGroup<kKind, 3, 4>(p, tiles, g, row, x_sums, result), row += 3;
@@ -411,20 +463,20 @@ template <int64_t kKind>
 void GroupCodes(const Tile& t, int64_t g, float* w) {
   using F = Format<kKind>;
   for (int k = 0; k < 4; ++k) {
-    __m512 scale, minimum = _mm512_setzero_ps();
+    vec::F scale, minimum = vec::Zero();
     GroupScales<kKind>(t, g, k, &scale, &minimum);
-    _mm512_store_ps(w + F::kGroup * kTileColumns + 16 * k, scale);
-    _mm512_store_ps(w + (F::kGroup + 1) * kTileColumns + 16 * k, minimum);
+    vec::Store(w + F::kGroup * kTileColumns + 16 * k, scale);
+    vec::Store(w + (F::kGroup + 1) * kTileColumns + 16 * k, minimum);
   }
   constexpr int kRun = Run<kKind>::kRun;
-  const __m512 low_table = LowTable<kKind>(), high_table = HighTable<kKind>();
+  const Tables tables = TablesOf<kKind>();
   ForRunsOfGroup<kKind>([&](int64_t run, auto high_shift) __attribute__((always_inline)) {
     const Run<kKind> codes(t, g * (F::kGroup / kRun) + run);
     float* rows = w + run * kRun * kTileColumns;
     Unroll<kRun>([&](auto input) __attribute__((always_inline)) {
       Unroll<4>([&](auto quarter) __attribute__((always_inline)) {
-        _mm512_store_ps(rows + input * kTileColumns + 16 * quarter,
-                        codes.template Floats<input, quarter, decltype(high_shift)::value>(low_table, high_table));
+        vec::Store(rows + input * kTileColumns + 16 * quarter,
+                   codes.template Floats<input, quarter, decltype(high_shift)::value>(tables));
       });
     });
   });
@@ -449,29 +501,43 @@ __attribute__((always_inline)) inline void PrefetchGroup(const Tile& t, int64_t 
 
 // Rows [row0, row0 + kRows) x the 64 columns of a tile, group g, from the
 // group's codes, scales and minimums as floats (w, GroupCodes):
-// FewRowsGroup's operations in its order.
+// FewRowsGroup's operations in its order, kTileVectors columns of vectors
+// at a time (each accumulator still takes the group's inputs in order).
 template <int64_t kKind, int kRows>
 void TileGroup(const Problem& p, const float* w, int64_t g, int64_t row0, const float* x_sums, float* result) {
   using F = Format<kKind>;
-  __m512 acc[kRows][4];
-  for (int r = 0; r < kRows; ++r)
-    for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_ps();
   const float* x = p.x + row0 * p.in + g * F::kGroup;
-  for (int64_t i = 0; i < F::kGroup; ++i) {
-    const __m512 w0 = _mm512_load_ps(w + i * kTileColumns), w1 = _mm512_load_ps(w + i * kTileColumns + 16);
-    const __m512 w2 = _mm512_load_ps(w + i * kTileColumns + 32), w3 = _mm512_load_ps(w + i * kTileColumns + 48);
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 xi = _mm512_set1_ps(x[r * p.in + i]);
-      acc[r][0] = _mm512_fmadd_ps(w0, xi, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(w1, xi, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(w2, xi, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(w3, xi, acc[r][3]);
+#pragma GCC unroll 4
+  for (int pass = 0; pass < 4; pass += kTileVectors) {
+    vec::F acc[kRows][kTileVectors];
+    for (int r = 0; r < kRows; ++r)
+      for (int k = 0; k < kTileVectors; ++k) acc[r][k] = vec::Zero();
+    for (int64_t i = 0; i < F::kGroup; ++i) {
+      vec::F wi[kTileVectors];
+      // One load for all rows (on AVX2 g++ folded a load into each row's multiply-add).
+      for (int k = 0; k < kTileVectors; ++k) wi[k] = vec::Pinned(vec::Load(w + i * kTileColumns + 16 * (pass + k)));
+      for (int r = 0; r < kRows; ++r) {
+        const vec::F xi = vec::Set(x[r * p.in + i]);
+        for (int k = 0; k < kTileVectors; ++k) acc[r][k] = vec::MulAdd(wi[k], xi, acc[r][k]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < kTileVectors; ++k) {
+      const int v = pass + k;
+      FoldVector<kKind, kRows, kTileVectors, kTileColumns>(
+          p, acc, k, vec::Load(w + F::kGroup * kTileColumns + 16 * v),
+          vec::Load(w + (F::kGroup + 1) * kTileColumns + 16 * v), g, row0, x_sums, result + 16 * pass);
     }
   }
-#pragma GCC unroll 4
-  for (int v = 0; v < 4; ++v) {
-    FoldVector<kKind, kRows, 4>(p, acc, v, _mm512_load_ps(w + F::kGroup * kTileColumns + 16 * v),
-                                _mm512_load_ps(w + (F::kGroup + 1) * kTileColumns + 16 * v), g, row0, x_sums, result);
+}
+
+// TileGroup of the `left` rows (fewer than kTileRows) after the row tiles.
+template <int64_t kKind, int kRows = kTileRows - 1>
+void TileGroupRest(const Problem& p, const float* w, int64_t g, int64_t row0, int64_t left, const float* x_sums,
+                   float* result) {
+  if constexpr (kRows > 0) {
+    if (left == kRows) return TileGroup<kKind, kRows>(p, w, g, row0, x_sums, result);
+    TileGroupRest<kKind, kRows - 1>(p, w, g, row0, left, x_sums, result);
   }
 }
 
@@ -493,14 +559,7 @@ void ManyRowsTask(const Problem& p, int64_t tile, int64_t row_begin, int64_t row
       GroupCodes<kKind>(t, g, w);
       int64_t r = row_begin;
       for (; r + kTileRows <= row_end; r += kTileRows) TileGroup<kKind, kTileRows>(p, w, g, r, x_sums, base);
-      switch (row_end - r) {
-        case 1: TileGroup<kKind, 1>(p, w, g, r, x_sums, base); break;
-        case 2: TileGroup<kKind, 2>(p, w, g, r, x_sums, base); break;
-        case 3: TileGroup<kKind, 3>(p, w, g, r, x_sums, base); break;
-        case 4: TileGroup<kKind, 4>(p, w, g, r, x_sums, base); break;
-        case 5: TileGroup<kKind, 5>(p, w, g, r, x_sums, base); break;
-        default: break;
-      }
+      TileGroupRest<kKind>(p, w, g, r, row_end - r, x_sums, base);
     }
     for (int64_t r = row_begin; r < row_end; ++r) {
       float* out = p.out + r * p.out_features + tile * kTileColumns;
@@ -521,9 +580,9 @@ std::vector<float> GroupSums(const Problem& p) {
   for (int64_t r = 0; r < p.rows; ++r) {
     for (int64_t g = 0; g < p.groups; ++g) {
       const float* x = p.x + r * p.in + g * group;
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t i = 0; i < group; i += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(x + i));
-      sums[r * p.groups + g] = _mm512_reduce_add_ps(sum);
+      vec::F sum = vec::Zero();
+      for (int64_t i = 0; i < group; i += 16) sum = vec::Add(sum, vec::LoadUnaligned(x + i));
+      sums[r * p.groups + g] = vec::Sum(sum);
     }
   }
   return sums;
@@ -566,8 +625,10 @@ void RunManyRows(Plan& plan, int64_t task) {
 // high bits takes 2 at one row: its second code plane and table beside 16
 // accumulators were more than the 32 registers, and g++ kept accumulators
 // on the stack (Q6_K); 8 of them hide the multiply-add's latency behind its
-// longer expansion of the codes.
+// longer expansion of the codes. AVX2: 1 (one tile's 4 vectors of sums are
+// half its 16 registers).
 int64_t TaskTiles(int64_t rows, int64_t tiles, bool high_bits = false) {
+  if (vec::kVecRegisters < 32) return 1;
   if (rows == 1 && tiles % 4 == 0 && !high_bits) return 4;
   if (rows <= 2 && tiles % 2 == 0) return 2;
   return 1;
@@ -582,14 +643,17 @@ void PlanKind(Plan& plan, int64_t workers) {
   // it. (A 256-column weight at one row is one task of 4 tiles: in 2 parts,
   // both cores take one.)
   plan.parts = jaxinfer::InputParts(tiles / TaskTiles(1, tiles), p.groups, workers);
-  if (p.rows <= kRowBlock) {
+  if (p.rows <= kFewRowsMax) {
     plan.partials.resize((plan.parts - 1) * p.rows * p.out_features);
     const int64_t width = TaskTiles(p.rows, tiles, Format<kKind>::kHigh > 0);
     plan.num_tasks = tiles / width * plan.parts;
-    if constexpr (Format<kKind>::kHigh == 0) {
-      if (width == 4) return void(plan.run = RunFewRows<kKind, 16>);
+    if constexpr (vec::kVecRegisters == 32) {  // wider tasks: TaskTiles
+      if constexpr (Format<kKind>::kHigh == 0) {
+        if (width == 4) return void(plan.run = RunFewRows<kKind, 16>);
+      }
+      if (width == 2) return void(plan.run = RunFewRows<kKind, 8>);
     }
-    plan.run = width == 2 ? RunFewRows<kKind, 8> : RunFewRows<kKind, 4>;
+    plan.run = RunFewRows<kKind, 4>;
     return;
   }
   int64_t row_tasks = (p.rows + kMaxTaskRows - 1) / kMaxTaskRows;

@@ -33,9 +33,15 @@ KINDS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # kquant_matmul.cc's Kind
 TILE = 64  # columns per tile: the kernels read tiled weights only
 
 
+def cpu_takes_kernel() -> bool:
+    """Whether this CPU has the instructions kquant_matmul.cc is written
+    for (vec16.h): AVX-512, or AVX2 with FMA and F16C."""
+    return cpu_has("avx512f") or all(cpu_has(flag) for flag in ("avx2", "fma", "f16c"))
+
+
 def available() -> bool:
-    """Whether the exact kernel is built and registered (built on first call; AVX-512 only)."""
-    return cpu_has("avx512f") and native_ffi_target(str(SOURCE), "JaxinferKQuantMatmuls", TARGET_NAME)
+    """Whether the exact kernel is built and registered (built on first call; cpu_takes_kernel)."""
+    return cpu_takes_kernel() and native_ffi_target(str(SOURCE), "JaxinferKQuantMatmuls", TARGET_NAME)
 
 
 def q8_available() -> bool:
@@ -45,7 +51,7 @@ def q8_available() -> bool:
 
 def tileable(w: KQuantTensor) -> bool:
     """Whether w should be stored in tiles of TILE columns: the kernels read no other layout."""
-    return cpu_has("avx512f") and not w.tile and w.out_features % TILE == 0 and w.in_features % 256 == 0
+    return cpu_takes_kernel() and not w.tile and w.out_features % TILE == 0 and w.in_features % 256 == 0
 
 
 def supports(w: KQuantTensor | MixedStack) -> bool:

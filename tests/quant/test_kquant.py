@@ -31,7 +31,7 @@ from jaxinfer.quant.kquant import KQuantTensor, dequantize
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.params import LINEAR_KEYS
-from tests.cpu_features import AVX512, VNNI, needs_avx512, needs_vnni
+from tests.cpu_features import KQUANT, VNNI, needs_kquant_kernel, needs_vnni
 from tests.gguf_writer import gguf_name, random_k_blocks, write_gguf, write_kquant_mix
 from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model
 
@@ -43,9 +43,9 @@ CPU = CpuBackend()
 def test_kernels_build_here():
     # Not a skip: CI has g++, and without the kernels K-quant files decode
     # through a float copy of every weight (and without the repacking, a load
-    # converts them in numpy, seconds slower). The matmuls are AVX-512 code
-    # (the int8-activation one AVX512-VNNI): elsewhere they report so.
-    assert kquant_matmul.available() == AVX512 and kquant_matmul.q8_available() == VNNI
+    # converts them in numpy, seconds slower). The exact matmul is AVX-512 or
+    # AVX2 code, the int8-activation one AVX512-VNNI: elsewhere they report so.
+    assert kquant_matmul.available() == KQUANT and kquant_matmul.q8_available() == VNNI
     assert kquant_repack.available()
 
 
@@ -101,14 +101,13 @@ def int8_blocks64(x: np.ndarray, block: int) -> np.ndarray:
     return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
 
 
-@needs_avx512
+@needs_kquant_kernel
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
-def test_kernels_match_float64(qtype):
-    """The exact kernel at 1, 2, 5 (few-row path: tasks of 4, 2 and 1 tiles),
-    23 and 40 rows (many-row path) and the gguf-a8 kernel at 1, 3 and 17
-    rows (activations rounded to int8 per 256 inputs here), against float64
-    products of gguf's values; layer 1 of 2; and each row bit for bit its
-    result alone."""
+def test_kernel_matches_float64(qtype):
+    """The exact kernel at 1, 2, 5 (few-row path: tasks of 4, 2 and 1 tiles
+    on AVX-512, one tile a row on AVX2), 23 and 40 rows (many-row path)
+    against float64 products of gguf's values; layer 1 of 2; and each row
+    bit for bit its result alone."""
     w, values = stacked_weight(qtype, 2, 512, 256)
     rng = np.random.default_rng(int(qtype))
     exact = jax.jit(kquant_matmul.kquant_matmul)
@@ -117,6 +116,16 @@ def test_kernels_match_float64(qtype):
         y = np.asarray(exact(x, w, 1))
         assert_matches(y, x.astype(np.float64) @ values[1])
         np.testing.assert_array_equal(y[-1], np.asarray(exact(x[-1:], w, 1))[0])
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_int8_activation_kernel_matches_float64(qtype):
+    """The gguf-a8 kernel at 1, 3 and 17 rows (activations rounded to int8
+    per 256 inputs here) against float64 products of gguf's values; layer 1
+    of 2; and the first row bit for bit its result alone."""
+    w, values = stacked_weight(qtype, 2, 512, 256)
+    rng = np.random.default_rng(int(qtype) + 100)
     a8 = dataclasses.replace(w, activation_block=256)
     q8 = jax.jit(kquant_matmul.q8_kquant_matmul)
     for rows in (1, 3, 17):
@@ -126,23 +135,26 @@ def test_kernels_match_float64(qtype):
         np.testing.assert_array_equal(y[0], np.asarray(q8(x[:1], a8, 1))[0])
 
 
-@needs_avx512
+@pytest.mark.parametrize("int8_activations", [pytest.param(False, marks=needs_kquant_kernel),
+                                              pytest.param(True, marks=needs_vnni)], ids=["exact", "gguf-a8"])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
-def test_a_row_does_not_depend_on_the_rows_beside_it(qtype):
+def test_a_row_does_not_depend_on_the_rows_beside_it(qtype, int8_activations):
     """Every row count up to 8 (each its own split of rows and columns) and
     past it (13, 32, 75: one task or several, the many-row path) gives each
-    row bit for bit its one-row result, in both kernels."""
+    row bit for bit its one-row result, in either kernel."""
     w, _ = stacked_weight(qtype, 1, 256, 192, seed=9)
     x = np.random.default_rng(7).standard_normal((75, 256)).astype(np.float32)
-    a8 = dataclasses.replace(w, activation_block=256)
-    for kernel, weight in ((kquant_matmul.kquant_matmul, w), (kquant_matmul.q8_kquant_matmul, a8)):
-        run = jax.jit(kernel)
-        alone = np.stack([np.asarray(run(x[r:r + 1], weight, 0))[0] for r in range(75)])
-        for rows in [*range(2, 9), 13, 32, 75]:
-            np.testing.assert_array_equal(np.asarray(run(x[:rows], weight, 0)), alone[:rows])
+    if int8_activations:
+        kernel, weight = kquant_matmul.q8_kquant_matmul, dataclasses.replace(w, activation_block=256)
+    else:
+        kernel, weight = kquant_matmul.kquant_matmul, w
+    run = jax.jit(kernel)
+    alone = np.stack([np.asarray(run(x[r:r + 1], weight, 0))[0] for r in range(75)])
+    for rows in [*range(2, 9), 13, 32, 75]:
+        np.testing.assert_array_equal(np.asarray(run(x[:rows], weight, 0)), alone[:rows])
 
 
-@pytest.mark.parametrize("int8_activations", [pytest.param(False, marks=needs_avx512),
+@pytest.mark.parametrize("int8_activations", [pytest.param(False, marks=needs_kquant_kernel),
                                               pytest.param(True, marks=needs_vnni)], ids=["exact", "gguf-a8"])
 def test_several_kinds_in_one_call(int8_activations):
     """A layer's q, k and v in one call of either kernel, each of its own
@@ -193,7 +205,7 @@ def kquant_load(mixed_file):
 TOKENS = np.arange(1, 40)
 
 
-@needs_avx512
+@needs_kquant_kernel
 def test_the_k_quant_kernel_build_starts_before_the_weights_are_read(mixed_file, monkeypatch):
     """The K-quant kernel, a machine's longest build, is asked for as soon as
     the file is open (it holds K-quants), not once its weights are arranged:
@@ -206,7 +218,7 @@ def test_the_k_quant_kernel_build_starts_before_the_weights_are_read(mixed_file,
     assert before == [True]
 
 
-@needs_avx512
+@needs_kquant_kernel
 def test_file_loads_at_its_own_size_with_the_float_loads_logits(mixed_file, kquant_load, float_load):
     """quantization="auto" on CPU: every linear weight and the untied head
     in their K-quant blocks, a weight mixing types one stack per type, each
@@ -334,7 +346,7 @@ def test_columns_are_gguf_values(qtype, tile):
     np.testing.assert_array_equal(np.asarray(stored.columns(indices)), table[indices])
 
 
-@needs_avx512
+@needs_kquant_kernel
 def test_a_tied_k_quant_table_is_the_only_embedding_copy(tmp_path):
     """A tied model whose token_embd is Q6_K (a Q4_K_M file's): on CPU the
     head's blocks are kept, the float table is dropped (the lookup reads
@@ -352,7 +364,7 @@ def test_a_tied_k_quant_table_is_the_only_embedding_copy(tmp_path):
     assert_logits_close(kquant.logits(TOKENS), float_load.logits(TOKENS), rtol=1e-5)
 
 
-@needs_avx512
+@needs_kquant_kernel
 def test_a_mixed_stack_is_read_in_one_call():
     """A MixedStack of Q6_K and Q4_K layers (a Q4_K_M file's attn_v) beside a
     plain weight in one kernel call: each layer bit for bit its part's own
