@@ -104,10 +104,10 @@ def int8_blocks64(x: np.ndarray, block: int) -> np.ndarray:
 @needs_kquant_kernel
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
 def test_kernel_matches_float64(qtype):
-    """The exact kernel at 1, 2, 5 (few-row path: tasks of 4, 2 and 1 tiles
-    on AVX-512, one tile a row on AVX2), 23 and 40 rows (many-row path)
-    against float64 products of gguf's values; layer 1 of 2; and each row
-    bit for bit its result alone."""
+    """The exact kernel at 1, 2, 5 (AVX-512's few-row path: tasks of 4, 2
+    and 1 tiles; AVX2's takes one row, more go to its many-row path), 23 and
+    40 rows (many-row path) against float64 products of gguf's values; layer
+    1 of 2; and each row bit for bit its result alone."""
     w, values = stacked_weight(qtype, 2, 512, 256)
     rng = np.random.default_rng(int(qtype))
     exact = jax.jit(kquant_matmul.kquant_matmul)
