@@ -255,11 +255,12 @@ def test_xla_backend_runs_the_same_weights(kquant_load, float_load):
     assert_logits_close(reference.logits(TOKENS), float_load.logits(TOKENS), rtol=1e-5)
 
 
-@needs_vnni
+@needs_kquant_kernel
 def test_gguf_a8_multiplies_int8_blocks(mixed_file, kquant_load):
     """quantization="gguf-a8": every K-quant weight (mixed stacks' parts too)
     marked for int8 activations in blocks of a super-block (llama.cpp's
-    Q8_K) and multiplied by the kernel, with logits those of the XLA
+    Q8_K) and multiplied by a kernel (the int8-activation one with
+    AVX512-VNNI, else the exact one on the rounded activations), with logits those of the XLA
     reference of the same params to 1%: the two round the same activations
     to int8 but sum floats in other orders, and a hidden value that lands
     on the other side of a rounding boundary moves by a whole int8 step
