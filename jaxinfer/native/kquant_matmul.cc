@@ -51,7 +51,7 @@
 // the same real numbers as x @ dequantize(w), rounded in another order. A
 // row's arithmetic depends on the weight's shape and the core count only
 // (InputParts), never on the other rows: the few-row path (codes expanded in
-// registers, up to 8 rows) and the many-row path (each group's codes
+// registers, up to kFewRowsMax rows) and the many-row path (each group's codes
 // expanded once into an L1 buffer for all rows) do the same operations in
 // the same order.
 #include <immintrin.h>
@@ -85,19 +85,18 @@ using jaxinfer::kquant::Minimums;
 using jaxinfer::kquant::Shape;
 using jaxinfer::kquant::ShapeOf;
 
-constexpr int64_t kRowBlock = 8;      // the few-row path's rows at most
 constexpr int64_t kMaxTaskRows = 36;  // the many-row path's rows per task at most
 // The many-row path's register tile: kTileRows rows x kTileVectors vectors of
 // partial sums beside the kTileVectors weight vectors they multiply (AVX-512
 // 24 + 4 of 32 registers; AVX2, two registers a vector, 12 + 2 of 16).
 constexpr int64_t kTileRows = 6;
 constexpr int kTileVectors = vec::kVecRegisters == 32 ? 4 : 1;
-// Rows up to which the few-row path serves (PlanKind). AVX2's 16 registers
+// Rows up to which the few-row path serves (PlanKind): 8 on AVX-512. AVX2's 16 registers
 // hold one row's 4 vectors of sums (8 registers) beside a code's expansion,
 // so its few-row path takes one row (expanding the codes again for each
 // further row cost more than the many-row path's L1 buffer: batch 8 of a
 // 0.47B Q4_K_M 241 ms a step, against 200 with matmul.cc's int4 copy).
-constexpr int64_t kFewRowsMax = vec::kVecRegisters == 32 ? kRowBlock : 1;
+constexpr int64_t kFewRowsMax = vec::kVecRegisters == 32 ? 8 : 1;
 
 // A kind's numbers (kquant_layer.h, ShapeOf) as constants of the kernels'
 // templates: the shifts, masks and tables compile to immediates.
@@ -416,14 +415,14 @@ void FewRowsGroup(const Problem& p, const Tile* tiles, int64_t g, int64_t row0, 
   FoldGroup<kKind, kRows, kVectors>(p, tiles, acc, g, row0, x_sums, result);
 }
 
-// Every row (at most kRowBlock) x 16 * kVectors columns from column tile
+// Every row (at most kFewRowsMax) x 16 * kVectors columns from column tile
 // `tile`, groups [g_begin, g_end), written to out [rows, out_features].
 template <int64_t kKind, int kVectors>
 void FewRowsTask(const Problem& p, int64_t tile, int64_t g_begin, int64_t g_end, const float* x_sums, float* out) {
   constexpr int64_t kWidth = 16 * kVectors;
   Tile tiles[kVectors / 4];
   for (int l = 0; l < kVectors / 4; ++l) tiles[l] = TileOf(p, tile + l);
-  alignas(64) float result[kRowBlock * kWidth];
+  alignas(64) float result[kFewRowsMax * kWidth];
   std::fill_n(result, p.rows * kWidth, 0.0f);
   for (int64_t g = g_begin; g < g_end; ++g) {
     if constexpr (kVectors == 16) {
