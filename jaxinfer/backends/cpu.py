@@ -47,7 +47,7 @@ from jaxinfer.backends.host_memory import available_host_bytes, keep_freed_host_
 from jaxinfer.backends.xla import XlaBackend
 from jaxinfer.models.paged_attention import PagedAttentionMetadata
 from jaxinfer.native import kquant_matmul, matmul, paged_attention, zeroed_buffer
-from jaxinfer.native.build import cpu_has
+from jaxinfer.native.build import cpu_runs_vec16
 from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.quant.layer_weights import LayerOf
@@ -98,7 +98,7 @@ class CpuBackend(XlaBackend):
         (AVX-512, or AVX2 with FMA and F16C) and, with int8 activations,
         q8_matmul.cc's K-quant handler (AVX512-VNNI; elsewhere the exact
         kernel on the rounded activations)."""
-        return self.native and kquant_matmul.cpu_takes_kernel()
+        return self.native and cpu_runs_vec16()
 
     def lookup_reads_head(self, few_row_head) -> bool:
         return self.native and cpu_weights.lookup_reads_head(few_row_head)
@@ -250,7 +250,8 @@ class CpuBackend(XlaBackend):
         A draft step then reads 9.5 MB instead of 36 MB of float32
         (BENCHMARKS.md, "Speculative decoding"). Drafts only propose, verification is by the
         target, so the rounding can cost acceptance, never exactness. Left as
-        it is where the kernel does not take tiles (no AVX-512)."""
+        it is where the kernel does not take tiles (neither AVX-512 nor AVX2
+        with FMA and F16C)."""
         if not self.native:
             return head
 

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.native import expert_matmul, kquant_matmul, matmul
-from jaxinfer.native.build import cpu_has
+from jaxinfer.native.build import cpu_has, cpu_runs_vec16
 from jaxinfer.quant.input_order import InputOrdered
 from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.quant.layer_weights import LayerOf
@@ -59,11 +59,15 @@ from jaxinfer.quant.tensor import QuantizedTensor
 # then a GEMM that shares it across the rows): the engine's steps are 256
 # rows by default, so a larger max_num_batched_tokens takes XLA past 512
 # (BENCHMARKS.md, "Why the CPU path is built this way", native kernels).
-# Past 8 rows that is the kernel's AVX-512 register-tiled path; a CPU
-# without AVX-512 runs its few-row loop there, which loses to XLA from ~24
+# Past 8 rows that is the kernel's register-tiled path (vec16.h). With
+# AVX2's 16 registers its tile is a quarter as wide: the default model's
+# projections x 30 layers on the Zen 3 VM, kernel against XLA on the same
+# tiled weights, 128 rows 330 / 464 ms, 256 620 / 625, 512 1190 / 1062. A
+# CPU with neither runs the few-row loop there, which loses to XLA from ~24
 # rows.
 EXACT_MAX_ROWS = 512
-EXACT_MAX_ROWS_WITHOUT_AVX512 = 8
+EXACT_MAX_ROWS_AVX2 = 256
+EXACT_MAX_ROWS_WITHOUT_VEC16 = 8
 # Rows up to which kquant_matmul.cc serves (as matmul.cc); past it the reference.
 KQUANT_MAX_ROWS = 512
 # Rows up to which a tied GGUF head's own blocks (few_row_head) beat the
@@ -75,7 +79,9 @@ FEW_ROW_HEAD_MAX_ROWS = 128
 
 def max_exact_rows() -> int:
     """The rows up to which matmul.cc multiplies a layer weight on this CPU."""
-    return EXACT_MAX_ROWS if cpu_has("avx512f") else EXACT_MAX_ROWS_WITHOUT_AVX512
+    if cpu_has("avx512f"):
+        return EXACT_MAX_ROWS
+    return EXACT_MAX_ROWS_AVX2 if cpu_runs_vec16() else EXACT_MAX_ROWS_WITHOUT_VEC16
 
 
 @dataclasses.dataclass(frozen=True)

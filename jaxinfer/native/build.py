@@ -52,6 +52,13 @@ def cpu_has(flag: str) -> bool:
     return flag in cpu_flags().split()
 
 
+def cpu_runs_vec16() -> bool:
+    """Whether this CPU has the instructions the kernels written on vec16.h
+    need (kquant_matmul.cc, matmul.cc's tiled paths): AVX-512, or AVX2 with
+    FMA and F16C."""
+    return cpu_has("avx512f") or all(cpu_has(flag) for flag in ("avx2", "fma", "f16c"))
+
+
 @functools.cache
 def cxx_compiler() -> str | None:
     """The C++ compiler native kernels are built with ($CXX, else g++ or c++ on

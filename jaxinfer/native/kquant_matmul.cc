@@ -66,6 +66,10 @@
 #include "jaxinfer/native/vec16.h"
 #include "xla/ffi/api/ffi.h"
 
+#if !JAXINFER_VEC16
+#error "the K-quant kernel needs AVX-512, or AVX2 with FMA and F16C (-march=native on a CPU without them); XLA runs it instead"
+#endif
+
 namespace ffi = xla::ffi;
 namespace vec = jaxinfer::vec16;
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.native.build import cpu_has, native_ffi_target
+from jaxinfer.native.build import cpu_runs_vec16, native_ffi_target
 from jaxinfer.quant.kquant import SUPER_BLOCK, KQuantTensor
 from jaxinfer.quant.mixed_stack import MixedStack
 
@@ -33,15 +33,9 @@ KINDS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # kquant_matmul.cc's Kind
 TILE = 64  # columns per tile: the kernels read tiled weights only
 
 
-def cpu_takes_kernel() -> bool:
-    """Whether this CPU has the instructions kquant_matmul.cc is written
-    for (vec16.h): AVX-512, or AVX2 with FMA and F16C."""
-    return cpu_has("avx512f") or all(cpu_has(flag) for flag in ("avx2", "fma", "f16c"))
-
-
 def available() -> bool:
     """Whether the exact kernel is built and registered (built on first call; cpu_takes_kernel)."""
-    return cpu_takes_kernel() and native_ffi_target(str(SOURCE), "JaxinferKQuantMatmuls", TARGET_NAME)
+    return cpu_runs_vec16() and native_ffi_target(str(SOURCE), "JaxinferKQuantMatmuls", TARGET_NAME)
 
 
 def q8_available() -> bool:
@@ -51,7 +45,7 @@ def q8_available() -> bool:
 
 def tileable(w: KQuantTensor) -> bool:
     """Whether w should be stored in tiles of TILE columns: the kernels read no other layout."""
-    return cpu_takes_kernel() and not w.tile and w.out_features % TILE == 0 and w.in_features % 256 == 0
+    return cpu_runs_vec16() and not w.tile and w.out_features % TILE == 0 and w.in_features % 256 == 0
 
 
 def supports(w: KQuantTensor | MixedStack) -> bool:

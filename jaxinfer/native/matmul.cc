@@ -40,9 +40,7 @@
 // block of 8 rows (the first from memory, the others from the cache); tiled
 // weights keep partial sums in registers (FewRows, ManyRows) and may cut
 // each tile's inputs into parts (InputParts) to keep every core busy.
-#if defined(__AVX512F__)
-#include <immintrin.h>  // only the AVX-512 paths; the rest builds on any CPU
-#endif
+#include "jaxinfer/native/vec16.h"  // the register paths (JAXINFER_VEC16); the rest builds on any CPU
 
 #include <algorithm>
 #include <cstdint>
@@ -55,6 +53,9 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+#if JAXINFER_VEC16
+namespace vec = jaxinfer::vec16;
+#endif
 
 namespace {
 
@@ -180,18 +181,28 @@ void MatmulChunk(const Problem& p, int64_t chunk) {
   for (int64_t row0 = 0; row0 < p.rows; row0 += kRowBlock) MatmulRowBlock(p, row0, begin, end);
 }
 
-#if defined(__AVX512F__)
+#if JAXINFER_VEC16
 // Past kRowBlock rows the float multiply-adds are the work (the codes are read
 // once for all rows), and MatmulColumns, whose partial sums live in memory,
 // runs at a third of the FMA peak. (At 2-8 rows, with the weights coming from
-// memory, MatmulColumns is as fast or faster: the default model's seven
-// projections x 30 layers at 2 / 4 / 8 rows 6.4 / 8.2 / 11.3 ms against
+// memory, MatmulColumns is as fast or faster on AVX-512: the default model's
+// seven projections x 30 layers at 2 / 4 / 8 rows 6.4 / 8.2 / 11.3 ms against
 // 8.4 / 9.5 / 11.4 here.) This path keeps a tile of kTileRows rows x
-// 64 columns of partial sums in registers: per input, 4 weight vectors and
-// kTileRows broadcasts feed 4 * kTileRows FMAs. The group's codes are turned
-// into floats once per task, into an L1 buffer every row tile reads.
+// kTileVectors vectors of partial sums in registers: per input, kTileVectors
+// weight vectors and kTileRows broadcasts feed kTileRows * kTileVectors
+// FMAs. The group's codes are turned into floats once per task, into an L1
+// buffer every row tile reads. Written on vec16.h: AVX-512, or AVX2 with FMA
+// and F16C, the same operations in the same order on both.
 constexpr int64_t kTileColumns = 64;
 constexpr int64_t kTileRows = 6;
+// The register tile's vectors: AVX-512 24 sums + 4 weights of 32 registers;
+// AVX2, two registers a vector, 12 + 2 of 16 (a tile's 64 columns in four passes).
+constexpr int kTileVectors = vec::kVecRegisters == 32 ? 4 : 1;
+// Rows up to which a tiled weight takes the few-row path (PlanProduct): 8
+// on AVX-512. AVX2's 16 registers hold one row's 4 vectors of sums beside a
+// code line's expansion, so there it takes one row, and 2 rows on go
+// through the group buffer (as the K-quant kernel, kquant_matmul.cc).
+constexpr int64_t kFewRowsMax = vec::kVecRegisters == 32 ? kRowBlock : 1;
 // Rows per task at most: a group's codes are turned into floats once per task,
 // for all its row tiles. Rows are split into equal tasks (64 rows: two of 32,
 // not 36 + 28), more of them where that makes the tasks a multiple of the
@@ -207,33 +218,31 @@ float* GroupBuffer(int64_t group) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
 }
 
-// 64 unsigned codes (plain int4, nibbles split) as 64 floats.
-void BytesToFloats(__m512i bytes, float* out) {
-  const __m128i quarters[4] = {_mm512_extracti32x4_epi32(bytes, 0), _mm512_extracti32x4_epi32(bytes, 1),
-                               _mm512_extracti32x4_epi32(bytes, 2), _mm512_extracti32x4_epi32(bytes, 3)};
-  for (int k = 0; k < 4; ++k) _mm512_store_ps(out + 16 * k, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(quarters[k])));
-}
-
 // 16 int8 codes in memory as 16 floats. Widening straight from memory: taking
 // them out of a 64-byte register first (vextracti32x4) was a second
 // cross-lane shuffle per 16 codes, and the one-row matvec of the Q8_0 head's
 // shape ran 1.25x slower from L2 (BENCHMARKS.md, "Why the CPU path is built this way").
-inline __m512 Int8Floats(const uint8_t* codes) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
-}
+inline vec::F Int8Floats(const uint8_t* codes) { return vec::ToFloat(vec::FromSignedBytes(codes)); }
 
 // Tiled int4 codes are stored in nibble order (quant/tensor.py, `tiled`):
 // within each 64-byte line, byte 4d + m holds column 16m + d, low nibble
 // input 2j, high nibble 2j + 1. Shifted right by 8m + 4h, 32-bit lane d then
-// holds column 16m + d's code of input 2j + h in its low 4 bits, and vpermps,
-// which reads only those, looks its float up in a 16-entry table: a shift and
-// an in-register permute per 16 codes, where widening bytes in column order
-// took a mask, an extract, a vpmovzxbd and a vcvtdq2ps. A one-row matvec of
-// 576 x 3072 from L2: 78 -> 51 us (BENCHMARKS.md, "Why the CPU path is built this way").
+// holds column 16m + d's code of input 2j + h in its low 4 bits. AVX-512:
+// vpermps, which reads only those, looks its float up in a 16-entry table: a
+// shift and an in-register permute per 16 codes, where widening bytes in
+// column order took a mask, an extract, a vpmovzxbd and a vcvtdq2ps (a
+// one-row matvec of 576 x 3072 from L2: 78 -> 51 us, BENCHMARKS.md, "Why the
+// CPU path is built this way"). AVX2 has no 16-entry permute: the 4 bits are
+// masked and converted, the same float.
 template <int kShift>
-inline __m512 NibbleFloats(__m512i line) {
+inline vec::F NibbleFloats(vec::I line) {
+  const vec::I shifted = kShift ? vec::ShiftRight<kShift>(line) : line;
+#if defined(__AVX512F__)
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  return _mm512_permutexvar_ps(kShift ? _mm512_srli_epi32(line, kShift) : line, values);
+  return _mm512_permutexvar_ps(shifted, values);
+#else
+  return vec::ToFloat(vec::And(shifted, vec::SetInts(0x0F)));
+#endif
 }
 
 // Group g's codes of the 64 columns at col as floats: w[i * 64 + c] = q[g * group + i, col + c].
@@ -242,25 +251,27 @@ void GroupCodes(const Problem& p, int64_t g, int64_t col, float* w) {
   const int64_t stride = RowStride(p);
   if (p.int4 && p.tile) {
     for (int64_t j = 0; j < p.group / 2; ++j) {  // byte row j: inputs 2j and 2j + 1, in nibble order
-      const __m512i line = _mm512_loadu_si512(codes + (g * p.group / 2 + j) * stride);
+      const vec::I line = vec::LoadInts(codes + (g * p.group / 2 + j) * stride);
       float* low = w + 2 * j * kTileColumns;
       float* high = low + kTileColumns;
-      _mm512_store_ps(low, NibbleFloats<0>(line)), _mm512_store_ps(high, NibbleFloats<4>(line));
-      _mm512_store_ps(low + 16, NibbleFloats<8>(line)), _mm512_store_ps(high + 16, NibbleFloats<12>(line));
-      _mm512_store_ps(low + 32, NibbleFloats<16>(line)), _mm512_store_ps(high + 32, NibbleFloats<20>(line));
-      _mm512_store_ps(low + 48, NibbleFloats<24>(line)), _mm512_store_ps(high + 48, NibbleFloats<28>(line));
+      vec::Store(low, NibbleFloats<0>(line)), vec::Store(high, NibbleFloats<4>(line));
+      vec::Store(low + 16, NibbleFloats<8>(line)), vec::Store(high + 16, NibbleFloats<12>(line));
+      vec::Store(low + 32, NibbleFloats<16>(line)), vec::Store(high + 32, NibbleFloats<20>(line));
+      vec::Store(low + 48, NibbleFloats<24>(line)), vec::Store(high + 48, NibbleFloats<28>(line));
     }
   } else if (p.int4) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int64_t j = 0; j < p.group / 2; ++j) {  // byte row j: input 2j (low nibbles), 2j + 1 (high)
-      const __m512i bytes = _mm512_loadu_si512(codes + (g * p.group / 2 + j) * stride);
-      BytesToFloats(_mm512_and_si512(bytes, nibble), w + 2 * j * kTileColumns);
-      BytesToFloats(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble), w + (2 * j + 1) * kTileColumns);
+      const uint8_t* row = codes + (g * p.group / 2 + j) * stride;
+      for (int k = 0; k < 4; ++k) {
+        const vec::I bytes = vec::FromBytes(row + 16 * k);
+        vec::Store(w + 2 * j * kTileColumns + 16 * k, vec::ToFloat(vec::And(bytes, vec::SetInts(0x0F))));
+        vec::Store(w + (2 * j + 1) * kTileColumns + 16 * k, vec::ToFloat(vec::ShiftRight<4>(bytes)));
+      }
     }
   } else {
     for (int64_t i = 0; i < p.group; ++i) {
       const uint8_t* row = codes + (g * p.group + i) * stride;
-      for (int k = 0; k < 4; ++k) _mm512_store_ps(w + i * kTileColumns + 16 * k, Int8Floats(row + 16 * k));
+      for (int k = 0; k < 4; ++k) vec::Store(w + i * kTileColumns + 16 * k, Int8Floats(row + 16 * k));
     }
   }
 }
@@ -280,55 +291,69 @@ __attribute__((always_inline)) inline void PrefetchGroup(const Problem& p, int64
 }
 
 // Group g's dots acc (rows [row0, row0 + kRows) x the 16 * kVectors columns
-// at col) into result (16 * kVectors floats a row): result += scale * dot +
-// offset * sum(x) of the group, as MatmulColumns does.
+// at col) into result (kRowFloats floats a row, these columns from its
+// start): result += scale * dot + offset * sum(x) of the group, as
+// MatmulColumns does.
 // Unrolled completely and always inlined so that acc is read from the
 // registers the dots left it in: as loops, g++ 12 stored all of acc to the
 // stack and loaded it back at every group, and the default model's
 // projections at 32 rows (one thread, /tmp harness) ran at 87 GFLOP/s against
 // 95 unrolled; the tiles of 5 rows (a 35-row task) were still called out of
 // line, 92 -> 94 GFLOP/s inlined (BENCHMARKS.md, "Why the CPU path is built this way").
-template <int kRows, int kVectors>
-__attribute__((always_inline)) inline void FoldGroup(const Problem& p, const __m512 (&acc)[kRows][kVectors],
+template <int kRows, int kVectors, int kRowFloats = 16 * kVectors>
+__attribute__((always_inline)) inline void FoldGroup(const Problem& p, const vec::F (&acc)[kRows][kVectors],
                                                      int64_t g, int64_t col, int64_t row0, const float* x_sums,
                                                      float* result) {
   const int64_t num_groups = p.in / p.group;
 #pragma GCC unroll 16
   for (int k = 0; k < kVectors; ++k) {
     const int64_t at = ScaleIndex(p, g, col + 16 * k);
-    const __m512 scale = _mm512_loadu_ps(p.scales + at);
-    const __m512 offset = p.offsets ? _mm512_loadu_ps(p.offsets + at) : _mm512_setzero_ps();
+    const vec::F scale = vec::LoadUnaligned(p.scales + at);
+    const vec::F offset = p.offsets ? vec::LoadUnaligned(p.offsets + at) : vec::Zero();
 #pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) {
-      float* out = result + (row0 + r) * 16 * kVectors + 16 * k;
-      __m512 v = _mm512_fmadd_ps(scale, acc[r][k], _mm512_load_ps(out));
-      if (p.offsets) v = _mm512_fmadd_ps(offset, _mm512_set1_ps(x_sums[(row0 + r) * num_groups + g]), v);
-      _mm512_store_ps(out, v);
+      float* out = result + (row0 + r) * kRowFloats + 16 * k;
+      vec::F v = vec::MulAdd(scale, acc[r][k], vec::Load(out));
+      if (p.offsets) v = vec::MulAdd(offset, vec::Set(x_sums[(row0 + r) * num_groups + g]), v);
+      vec::Store(out, v);
     }
   }
 }
 
 // Rows [row0, row0 + kRows) x the 64 columns at col, group g: the dot of each
-// row's group inputs with the codes w (GroupCodes), folded into result.
+// row's group inputs with the codes w (GroupCodes), folded into result,
+// kTileVectors vectors of columns at a time (each sum still takes the
+// group's inputs in order).
 template <int kRows>
 void TileGroup(const Problem& p, const float* w, int64_t g, int64_t col, int64_t row0, const float* x_sums,
                float* result) {
-  __m512 acc[kRows][4];
-  for (int r = 0; r < kRows; ++r)
-    for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_ps();
   const float* x = p.x + row0 * p.in + g * p.group;
-  for (int64_t i = 0; i < p.group; ++i) {
-    const __m512 w0 = _mm512_load_ps(w + i * kTileColumns), w1 = _mm512_load_ps(w + i * kTileColumns + 16);
-    const __m512 w2 = _mm512_load_ps(w + i * kTileColumns + 32), w3 = _mm512_load_ps(w + i * kTileColumns + 48);
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 xi = _mm512_set1_ps(x[r * p.in + i]);
-      acc[r][0] = _mm512_fmadd_ps(w0, xi, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(w1, xi, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(w2, xi, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(w3, xi, acc[r][3]);
+#pragma GCC unroll 4
+  for (int pass = 0; pass < 4; pass += kTileVectors) {
+    vec::F acc[kRows][kTileVectors];
+    for (int r = 0; r < kRows; ++r)
+      for (int k = 0; k < kTileVectors; ++k) acc[r][k] = vec::Zero();
+    for (int64_t i = 0; i < p.group; ++i) {
+      vec::F wi[kTileVectors];
+      // One load for all rows (on AVX2 g++ folded a load into each row's multiply-add).
+      for (int k = 0; k < kTileVectors; ++k) wi[k] = vec::Pinned(vec::Load(w + i * kTileColumns + 16 * (pass + k)));
+      for (int r = 0; r < kRows; ++r) {
+        const vec::F xi = vec::Set(x[r * p.in + i]);
+        for (int k = 0; k < kTileVectors; ++k) acc[r][k] = vec::MulAdd(wi[k], xi, acc[r][k]);
+      }
     }
+    FoldGroup<kRows, kTileVectors, kTileColumns>(p, acc, g, col + 16 * pass, row0, x_sums, result + 16 * pass);
   }
-  FoldGroup<kRows, 4>(p, acc, g, col, row0, x_sums, result);
+}
+
+// TileGroup of the `left` rows (fewer than kTileRows) after the row tiles.
+template <int kRows = kTileRows - 1>
+void TileGroupRest(const Problem& p, const float* w, int64_t g, int64_t col, int64_t row0, int64_t left,
+                   const float* x_sums, float* result) {
+  if constexpr (kRows > 0) {
+    if (left == kRows) return TileGroup<kRows>(p, w, g, col, row0, x_sums, result);
+    TileGroupRest<kRows - 1>(p, w, g, col, row0, left, x_sums, result);
+  }
 }
 
 // Each row's sum of x over each group, [rows, groups]: what the offsets multiply.
@@ -338,10 +363,10 @@ std::vector<float> GroupSums(const Problem& p) {
   for (int64_t r = 0; r < p.rows; ++r) {
     for (int64_t g = 0; g < num_groups; ++g) {
       const float* x = p.x + r * p.in + g * p.group;
-      __m512 sum = _mm512_setzero_ps();
+      vec::F sum = vec::Zero();
       int64_t i = 0;
-      for (; i + 16 <= p.group; i += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(x + i));
-      float total = _mm512_reduce_add_ps(sum);
+      for (; i + 16 <= p.group; i += 16) sum = vec::Add(sum, vec::LoadUnaligned(x + i));
+      float total = vec::Sum(sum);
       for (; i < p.group; ++i) total += x[i];
       sums[r * num_groups + g] = total;
     }
@@ -349,29 +374,29 @@ std::vector<float> GroupSums(const Problem& p) {
   return sums;
 }
 
-// A tiled weight at up to kRowBlock rows: rows [row0, row0 + kRows) x the
+// A tiled weight at up to kFewRowsMax rows: rows [row0, row0 + kRows) x the
 // 16 * kVectors columns at col, group g. TileGroup's multiply-adds in the same
 // order, with each code row turned into floats in registers as it is used
 // instead of through GroupBuffer (at a few rows there are too few
 // multiply-adds per code to repay a store and a load of each). Fewer rows
 // take more columns, so that kRows * kVectors = 16 independent accumulators
-// hide the multiply-add's latency (FewRows; a leftover tile of 2 or 1 rows
-// has fewer).
+// hide the multiply-add's latency on AVX-512 (FewRows; a leftover tile of 2
+// or 1 rows has fewer); AVX2's one row keeps 4 (8 registers).
 template <int kRows, int kVectors>
 void FewRowsGroup(const Problem& p, int64_t g, int64_t col, int64_t row0, const float* x_sums, float* result) {
   constexpr int kLines = kVectors / 4;  // 64-byte code lines (tiles) per input
-  __m512 acc[kRows][kVectors];
+  vec::F acc[kRows][kVectors];
   for (int r = 0; r < kRows; ++r)
-    for (int k = 0; k < kVectors; ++k) acc[r][k] = _mm512_setzero_ps();
+    for (int k = 0; k < kVectors; ++k) acc[r][k] = vec::Zero();
   const float* x = p.x + row0 * p.in + g * p.group;
   // One input's codes, 16 columns at a time as floats from code_floats(k),
   // into every row's accumulators.
   auto multiply_add = [&](int64_t i, auto code_floats) {
-    __m512 xi[kRows];
-    for (int r = 0; r < kRows; ++r) xi[r] = _mm512_set1_ps(x[r * p.in + i]);
+    vec::F xi[kRows];
+    for (int r = 0; r < kRows; ++r) xi[r] = vec::Set(x[r * p.in + i]);
     for (int k = 0; k < kVectors; ++k) {
-      const __m512 w = code_floats(k);
-      for (int r = 0; r < kRows; ++r) acc[r][k] = _mm512_fmadd_ps(w, xi[r], acc[r][k]);
+      const vec::F w = code_floats(k);
+      for (int r = 0; r < kRows; ++r) acc[r][k] = vec::MulAdd(w, xi[r], acc[r][k]);
     }
   };
   const uint8_t* codes[kLines];
@@ -379,8 +404,9 @@ void FewRowsGroup(const Problem& p, int64_t g, int64_t col, int64_t row0, const 
   const int64_t stride = RowStride(p);
   if (p.int4) {
     for (int64_t j = 0; j < p.group / 2; ++j) {  // byte row j: inputs 2j and 2j + 1, in nibble order
-      __m512i lines[kLines];
-      for (int l = 0; l < kLines; ++l) lines[l] = _mm512_loadu_si512(codes[l] + (g * p.group / 2 + j) * stride);
+      vec::I lines[kLines];
+      // Pinned: kept in registers for the eight shifts (on AVX2 g++ otherwise loads the line again for each).
+      for (int l = 0; l < kLines; ++l) lines[l] = vec::Pinned(vec::LoadInts(codes[l] + (g * p.group / 2 + j) * stride));
       // Vector k is columns 16(k % 4) .. + 15 of line k / 4 (k unrolled: the shifts are constants).
       multiply_add(2 * j, [&](int k) {
         switch (k % 4) {
@@ -408,12 +434,12 @@ void FewRowsGroup(const Problem& p, int64_t g, int64_t col, int64_t row0, const 
   FoldGroup<kRows, kVectors>(p, acc, g, col, row0, x_sums, result);
 }
 
-// Every row (at most kRowBlock) x the 16 * kVectors columns at col, groups
+// Every row (at most kFewRowsMax) x the 16 * kVectors columns at col, groups
 // [g_begin, g_end), written to out [rows, out_features].
 template <int kVectors>
 void FewRowsTask(const Problem& p, int64_t col, int64_t g_begin, int64_t g_end, const float* x_sums, float* out) {
   constexpr int64_t kWidth = 16 * kVectors;
-  alignas(64) float result[kRowBlock * kWidth];
+  alignas(64) float result[kFewRowsMax * kWidth];
   std::fill_n(result, p.rows * kWidth, 0.0f);
   for (int64_t g = g_begin; g < g_end; ++g) {
     // Only the row counts FewRows gives each width are compiled (each
@@ -427,6 +453,8 @@ void FewRowsTask(const Problem& p, int64_t col, int64_t g_begin, int64_t g_end, 
       } else {
         FewRowsGroup<2, kVectors>(p, g, col, 0, x_sums, result);
       }
+    } else if constexpr (kFewRowsMax == 1) {
+      FewRowsGroup<1, kVectors>(p, g, col, 0, x_sums, result);
     } else {
       // Row tiles of 5, 4, 3, 2 and 1, as few as the rows allow (6 = 3 + 3,
       // 7 = 4 + 3, 8 = 4 + 4): each tile turns the codes into floats again,
@@ -467,14 +495,7 @@ void ManyRowsTask(const Problem& p, int64_t col, int64_t row_begin, int64_t row_
       GroupCodes(p, g, col, w);
       int64_t r = row_begin;
       for (; r + kTileRows <= row_end; r += kTileRows) TileGroup<kTileRows>(p, w, g, col, r, x_sums, base);
-      switch (row_end - r) {
-        case 1: TileGroup<1>(p, w, g, col, r, x_sums, base); break;
-        case 2: TileGroup<2>(p, w, g, col, r, x_sums, base); break;
-        case 3: TileGroup<3>(p, w, g, col, r, x_sums, base); break;
-        case 4: TileGroup<4>(p, w, g, col, r, x_sums, base); break;
-        case 5: TileGroup<5>(p, w, g, col, r, x_sums, base); break;
-        default: break;
-      }
+      TileGroupRest(p, w, g, col, r, row_end - r, x_sums, base);
     }
     for (int64_t r = row_begin; r < row_end; ++r) {
       float* out = p.out + r * p.out_features + col;
@@ -508,7 +529,7 @@ struct Plan {
   }
 };
 
-#if defined(__AVX512F__)
+#if JAXINFER_VEC16
 // Task `task` of a FewRows plan: the task / parts-th run of 16 * kVectors
 // columns, its inputs' part task % parts.
 template <int kVectors>
@@ -520,24 +541,27 @@ void RunFewRows(Plan& plan, int64_t task) {
                         num_groups * (part + 1) / plan.parts, plan.x_sums.data(), out);
 }
 
-// A tiled weight at up to kRowBlock rows, in tasks as wide as the row count
-// needs (where the width divides the columns): 256 columns at 1 row, 128 at
-// 2, else 64; each width's tasks cut into InputParts runs of groups.
+// A tiled weight at up to kFewRowsMax rows, in tasks as wide as the row
+// count needs (where the width divides the columns): on AVX-512 256 columns
+// at 1 row, 128 at 2, else 64 (kRows * kVectors sums in registers; AVX2's
+// 16 registers take 64); each width's tasks cut into InputParts runs of groups.
 void PlanFewRows(Plan& plan, int64_t workers) {
   const Problem& p = plan.p;
   plan.parts = jaxinfer::InputParts(p.out_features / kTileColumns, p.in / p.group, workers);
   plan.partials.resize((plan.parts - 1) * p.rows * p.out_features);
+  plan.run = RunFewRows<4>;
   int64_t width = 64;
-  if (p.rows == 1 && p.out_features % 256 == 0) {
-    width = 256;
-  } else if (p.rows <= 2 && p.out_features % 128 == 0) {
-    width = 128;
+  if constexpr (vec::kVecRegisters == 32) {  // the wider tasks' templates only where they are used
+    if (p.rows == 1 && p.out_features % 256 == 0) {
+      width = 256, plan.run = RunFewRows<16>;
+    } else if (p.rows <= 2 && p.out_features % 128 == 0) {
+      width = 128, plan.run = RunFewRows<8>;
+    }
   }
   plan.num_tasks = p.out_features / width * plan.parts;
-  plan.run = width == 256 ? RunFewRows<16> : width == 128 ? RunFewRows<8> : RunFewRows<4>;
 }
 
-// Past kRowBlock rows: tiles of 64 columns x equal runs of at most
+// Past kFewRowsMax rows (and a plain weight past kRowBlock): tiles of 64 columns x equal runs of at most
 // kMaxTaskRows rows.
 void PlanManyRows(Plan& plan, int64_t workers) {
   const Problem& p = plan.p;
@@ -595,12 +619,14 @@ ffi::Error Describe(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& data, 
       (p.int4 && p.group % 2 != 0)) {
     return ffi::Error::InvalidArgument("quantized matmul: shapes do not match (whole groups)");
   }
-#if defined(__AVX512F__)
+#if JAXINFER_VEC16
   if (tiled && p.tile != kTileColumns) {
     return ffi::Error::InvalidArgument("quantized matmul: tiles must be 64 columns wide");
   }
 #else
-  if (tiled) return ffi::Error::InvalidArgument("quantized matmul: tiled weights need an AVX-512 build");
+  if (tiled) {
+    return ffi::Error::InvalidArgument("quantized matmul: tiled weights need a build with AVX-512 or AVX2, FMA and F16C");
+  }
 #endif
   *problem = p;
   return ffi::Error::Success();
@@ -609,11 +635,11 @@ ffi::Error Describe(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& data, 
 // Chooses the path and the tasks of a described product.
 void PlanProduct(Plan& plan, int64_t workers) {
   const Problem& p = plan.p;
-#if defined(__AVX512F__)
+#if JAXINFER_VEC16
   // The register paths: a tiled weight at any row count, a plain one past kRowBlock rows.
   if (p.tile || (p.rows > kRowBlock && p.out_features % kTileColumns == 0)) {
     if (p.offsets) plan.x_sums = GroupSums(p);
-    return p.rows <= kRowBlock ? PlanFewRows(plan, workers) : PlanManyRows(plan, workers);
+    return p.rows <= kFewRowsMax ? PlanFewRows(plan, workers) : PlanManyRows(plan, workers);
   }
 #endif
   plan.num_tasks = (p.out_features + kChunk - 1) / kChunk;

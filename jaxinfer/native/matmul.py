@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.quant.tensor import QuantizedTensor
-from jaxinfer.native.build import cpu_has, native_ffi_target
+from jaxinfer.native.build import cpu_runs_vec16, native_ffi_target
 
 SOURCE = Path(__file__).with_suffix(".cc")
 TARGET_NAME = "jaxinfer_quantized_matmul"
@@ -43,8 +43,9 @@ Q8_SOURCE = Path(__file__).with_name("q8_matmul.cc")
 Q8_TARGET_NAME = "jaxinfer_q8_matmul"
 Q8_COLUMNS = 64  # the int8-activation kernel's output columns per tile
 # Columns per tile of a tiled weight (quant/tensor.py), the width the exact
-# kernel's AVX-512 paths take (tileable()). The int8-activation kernel reads
-# the plain layout: tiles made it slower (BENCHMARKS.md, "Tiled weights").
+# kernel's register paths take (tileable(): AVX-512, or AVX2 with FMA and
+# F16C, vec16.h). The int8-activation kernel reads the plain layout: tiles
+# made it slower (BENCHMARKS.md, "Tiled weights").
 TILE = 64
 
 
@@ -60,9 +61,9 @@ def experts_available() -> bool:
 
 def supports(w: QuantizedTensor) -> bool:
     """Whether the exact kernel takes w (one matrix [in, out] or a stack of
-    layers, plain or in tiles of TILE; its tiled paths are AVX-512's)."""
+    layers, plain or in tiles of TILE where cpu_runs_vec16)."""
     return (w.scheme in ("int8", "int4") and w.scales.dtype == jnp.float32 and _layout_ok(w)
-            and (not w.tile or cpu_has("avx512f")) and (w.scheme == "int8" or w.group_size % 2 == 0))
+            and (not w.tile or cpu_runs_vec16()) and (w.scheme == "int8" or w.group_size % 2 == 0))
 
 
 def share_attributes(ws: list[QuantizedTensor]) -> bool:
@@ -88,13 +89,13 @@ def supports_q8(w: QuantizedTensor) -> bool:
 def tileable(w: QuantizedTensor) -> bool:
     """Whether w (stacked layer weights, or one matrix) can be stored in tiles
     of TILE columns for the exact kernel: one it takes, plain, whose columns
-    fill whole tiles, on a CPU with AVX-512."""
-    return cpu_has("avx512f") and not w.tile and w.out_features % TILE == 0 and supports(w)
+    fill whole tiles, on a CPU the tiled paths are built for (cpu_runs_vec16)."""
+    return cpu_runs_vec16() and not w.tile and w.out_features % TILE == 0 and supports(w)
 
 
 def tileable_experts(w: QuantizedTensor) -> bool:
     """tileable() for a MoE's stack of experts [layers, experts, in, out]."""
-    return (cpu_has("avx512f") and not w.tile and w.data.ndim == 4 and w.out_features % TILE == 0
+    return (cpu_runs_vec16() and not w.tile and w.data.ndim == 4 and w.out_features % TILE == 0
             and supports_experts([w]))
 
 
@@ -134,7 +135,7 @@ def supports_experts(ws: list[QuantizedTensor]) -> bool:
     first)."""
     return all(w.scheme in ("int8", "int4") and w.scales.dtype == jnp.float32
                and w.data.ndim - (1 if w.tile else 0) == 4 and w.tile in (0, TILE)
-               and (not w.tile or cpu_has("avx512f")) and (w.scheme == "int8" or w.group_size % 2 == 0)
+               and (not w.tile or cpu_runs_vec16()) and (w.scheme == "int8" or w.group_size % 2 == 0)
                for w in ws) and share_attributes(ws)
 
 

@@ -1,24 +1,30 @@
-// Sixteen 32-bit lanes, as the K-quant kernel (kquant_matmul.cc) works on
-// them: one AVX-512 register, or two AVX2 registers (lanes 0-7 and 8-15)
-// where the CPU has AVX2, FMA and F16C but no AVX-512. Every operation here
+// Sixteen 32-bit lanes, as the exact kernels (kquant_matmul.cc, matmul.cc's
+// tiled paths) work on them: one AVX-512 register, or two AVX2 registers
+// (lanes 0-7 and 8-15) where the CPU has AVX2, FMA and F16C but no AVX-512. Every operation here
 // acts lane by lane, so a kernel written on these computes the same numbers
 // on both, in the same order; only what the registers hold at once differs
 // (16 ymm against 32 zmm: the kernel sizes its register tiles by
 // kVecRegisters).
 //
-// Why two halves rather than a kernel of 8 lanes: the tiled K-quant layout
-// (quant/kquant.py) puts 16 columns in each 64-byte line, and a lane of 32
-// bits holds one column's run of codes; read as two 32-byte halves, the
-// line's lanes keep their columns and every shift and mask is the same.
+// Why two halves rather than a kernel of 8 lanes: the tiled layouts
+// (quant/kquant.py, quant/tensor.py) put 16 columns in each 64-byte line, and
+// a lane of 32 bits holds one column's codes; read as two 32-byte halves,
+// the line's lanes keep their columns and every shift and mask is the same.
 #pragma once
-
-#include <immintrin.h>
 
 #include <cstdint>
 
-#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#error "the K-quant kernels need AVX-512, or AVX2 with FMA and F16C (-march=native on a CPU without them); XLA runs it instead"
+// JAXINFER_VEC16: whether this build has them (AVX-512, or AVX2 with FMA and
+// F16C); without, this header defines nothing and a kernel that needs it
+// says so (kquant_matmul.cc) or leaves out its paths built on it (matmul.cc).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define JAXINFER_VEC16 1
+#else
+#define JAXINFER_VEC16 0
 #endif
+
+#if JAXINFER_VEC16
+#include <immintrin.h>
 
 namespace jaxinfer::vec16 {
 
@@ -138,3 +144,4 @@ inline float Sum(F v) {
 #endif
 
 }  // namespace jaxinfer::vec16
+#endif  // JAXINFER_VEC16

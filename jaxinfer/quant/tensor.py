@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SCHEMES = ("int8", "int4", "fp8", "w8a8")
-NIBBLE_LINE = 64  # bytes of tiled int4 codes put in nibble order together (one AVX-512 register)
+NIBBLE_LINE = 64  # bytes of tiled int4 codes put in nibble order together (one AVX-512 register, two AVX2)
 
 
 def _as_jnp(a):

@@ -16,7 +16,7 @@ from jaxinfer.backends import CpuBackend, XlaBackend
 from jaxinfer.native import expert_matmul
 from jaxinfer.native import matmul as cpu_matmul
 from jaxinfer.quant.layer_weights import LayerOf
-from tests.cpu_features import needs_avx512
+from tests.cpu_features import needs_vec16
 from tests.kernels.test_native_matmul import assert_matches, random_stacked_weight
 
 LAYERS, EXPERTS = 2, 5
@@ -61,8 +61,8 @@ def stacked_experts(rng, scheme, in_features, out_features, group_size, offsets,
 
 
 @pytest.mark.parametrize("scheme,group_size,offsets,tiled", [
-    pytest.param("int4", 32, True, True, marks=needs_avx512), pytest.param("int8", 32, False, True, marks=needs_avx512),
-    ("int8", 16, True, False), ("int4", 64, True, False), pytest.param("int8", 64, False, True, marks=needs_avx512)])
+    pytest.param("int4", 32, True, True, marks=needs_vec16), pytest.param("int8", 32, False, True, marks=needs_vec16),
+    ("int8", 16, True, False), ("int4", 64, True, False), pytest.param("int8", 64, False, True, marks=needs_vec16)])
 @pytest.mark.parametrize("runs", RUNS)
 def test_quantized_experts_match_float64(scheme, group_size, offsets, tiled, runs):
     rng = np.random.default_rng(sum(runs) + group_size)
@@ -73,7 +73,7 @@ def test_quantized_experts_match_float64(scheme, group_size, offsets, tiled, run
     assert_matches(np.asarray(y), expected(x, value, 1, expert_ids))
 
 
-@pytest.mark.parametrize("scheme", ["float32", pytest.param("int4", marks=needs_avx512)])
+@pytest.mark.parametrize("scheme", ["float32", pytest.param("int4", marks=needs_vec16)])
 def test_a_row_does_not_depend_on_the_rows_beside_it(scheme):
     """A token's experts give it the same bits alone as among 1..24 other
     rows of the same expert (every path of both kernels): a sequence's
@@ -92,7 +92,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(scheme):
         np.testing.assert_array_equal(together, alone[:rows])
 
 
-@pytest.mark.parametrize("scheme", ["float32", pytest.param("int8", marks=needs_avx512)])
+@pytest.mark.parametrize("scheme", ["float32", pytest.param("int8", marks=needs_vec16)])
 def test_backend_takes_the_kernels_and_agrees_with_the_reference(scheme):
     """The CPU backend's expert_linears on a stack in place (LayerOf) runs the
     kernel (its custom call in the program) and gives the XLA reference's

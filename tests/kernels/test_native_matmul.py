@@ -18,7 +18,7 @@ from jaxinfer.native import matmul as cpu_matmul
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import linear
 from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
-from tests.cpu_features import AVX512, VNNI, needs_avx512, needs_vnni
+from tests.cpu_features import VEC16, VNNI, needs_vec16, needs_vnni
 
 # The CPU backend's operations: what the model's layer loop calls on one device.
 CPU = CpuBackend()
@@ -27,10 +27,10 @@ CPU = CpuBackend()
 def test_kernels_build_here():
     # Not a skip: CI has g++, and without the kernels decode silently takes the
     # slow path. The int8-activation kernel is AVX512-VNNI code, and the exact
-    # kernel stores tiles only where its AVX-512 paths read them.
+    # kernel stores tiles only where its tiled paths (vec16.h) read them.
     assert cpu_matmul.available() and cpu_matmul.q8_available() == VNNI
     w = QuantizedTensor(jnp.zeros((64, 64), jnp.int8), jnp.ones((1, 64)), None, "int8", 64)
-    assert cpu_matmul.tileable(w) == AVX512
+    assert cpu_matmul.tileable(w) == VEC16
 
 
 def assert_matches(actual, expected):
@@ -77,7 +77,7 @@ def test_matches_float64(scheme, group_size, offsets, rows, out_features):
         assert_matches(np.asarray(run(x, w, layer)), expected)
 
 
-@needs_avx512
+@needs_vec16
 @pytest.mark.parametrize("scheme,group_size,offsets", [("int4", 32, True), ("int8", 32, False), ("int8", 16, True),
                                                        ("int4", 576, True)])
 @pytest.mark.parametrize("rows,out_features", [(1, 512), (1, 192), (2, 384), (3, 192), (5, 192), (6, 128), (7, 128),
@@ -97,7 +97,7 @@ def test_tiled_matches_float64(scheme, group_size, offsets, rows, out_features):
         assert_matches(np.asarray(run(x, tiled, layer)), x.astype(np.float64) @ value[layer])
 
 
-@needs_avx512
+@needs_vec16
 def test_tiled_row_does_not_depend_on_the_rows_beside_it():
     """Every row count up to 8 (each its own tiling of rows and columns), and
     the register-tiled path's splits past it (13 and 32 rows: one task or
@@ -115,7 +115,7 @@ def test_tiled_row_does_not_depend_on_the_rows_beside_it():
         np.testing.assert_array_equal(np.asarray(run(x[:rows], tiled, 1)), alone[:rows])
 
 
-@needs_avx512
+@needs_vec16
 @pytest.mark.parametrize("rows", [1, 3, 9, 23])
 def test_several_weights_in_one_call(rows):
     """One call for a layer's q, k and v (576, 192 and 192 outputs: 9 and 3
@@ -245,8 +245,8 @@ def test_linear_with_int8_activations_same_on_every_path():
 
 
 def test_linear_hands_layer_of_to_the_kernel_and_the_rest_to_xla():
-    """The CPU backend's linear on LayerOf runs the kernel up to max_exact_rows() rows (128 with
-    AVX-512) and the XLA path (on the sliced layer) past that: the same
+    """The CPU backend's linear on LayerOf runs the kernel up to max_exact_rows() rows (512 with
+    AVX-512, 256 with AVX2) and the XLA path (on the sliced layer) past that: the same
     values either way."""
     rng = np.random.default_rng(0)
     w, value = random_stacked_weight(rng, "int4", 2, 64, 128, 32, True)

@@ -21,7 +21,7 @@ import jaxinfer.utils
 from jaxinfer.quant.kquant import KQuantTensor
 from jaxinfer.loading.prepared_cache import PreparedParamsCache, finish_writes
 from jaxinfer.quant.mixed_stack import MixedStack
-from tests.cpu_features import needs_kquant_kernel
+from tests.cpu_features import needs_vec16
 from tests.gguf_writer import write_kquant_mix
 from tests.tiny_models import make_hf_model
 
@@ -91,7 +91,7 @@ def test_default_model_second_load_reads_the_first_loads_params(cache_dir, caplo
     assert greedy(second, prompt, 4) == greedy(first, prompt, 4)
 
 
-@needs_kquant_kernel
+@needs_vec16
 def test_kquant_file_hit_and_quantization_miss(tmp_path, cache_dir, caplog):
     path = kquant_file(tmp_path / "m.gguf", seed=6)
     first, hit = load(path, caplog)

@@ -31,7 +31,7 @@ from jaxinfer.quant.kquant import KQuantTensor, dequantize
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.params import LINEAR_KEYS
-from tests.cpu_features import KQUANT, VNNI, needs_kquant_kernel, needs_vnni
+from tests.cpu_features import VEC16, VNNI, needs_vec16, needs_vnni
 from tests.gguf_writer import gguf_name, random_k_blocks, write_gguf, write_kquant_mix
 from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model
 
@@ -45,7 +45,7 @@ def test_kernels_build_here():
     # through a float copy of every weight (and without the repacking, a load
     # converts them in numpy, seconds slower). The exact matmul is AVX-512 or
     # AVX2 code, the int8-activation one AVX512-VNNI: elsewhere they report so.
-    assert kquant_matmul.available() == KQUANT and kquant_matmul.q8_available() == VNNI
+    assert kquant_matmul.available() == VEC16 and kquant_matmul.q8_available() == VNNI
     assert kquant_repack.available()
 
 
@@ -101,7 +101,7 @@ def int8_blocks64(x: np.ndarray, block: int) -> np.ndarray:
     return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
 
 
-@needs_kquant_kernel
+@needs_vec16
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
 def test_kernel_matches_float64(qtype):
     """The exact kernel at 1, 2, 5 (AVX-512's few-row path: tasks of 4, 2
@@ -135,7 +135,7 @@ def test_int8_activation_kernel_matches_float64(qtype):
         np.testing.assert_array_equal(y[0], np.asarray(q8(x[:1], a8, 1))[0])
 
 
-@pytest.mark.parametrize("int8_activations", [pytest.param(False, marks=needs_kquant_kernel),
+@pytest.mark.parametrize("int8_activations", [pytest.param(False, marks=needs_vec16),
                                               pytest.param(True, marks=needs_vnni)], ids=["exact", "gguf-a8"])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_a_row_does_not_depend_on_the_rows_beside_it(qtype, int8_activations):
@@ -154,7 +154,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(qtype, int8_activations):
         np.testing.assert_array_equal(np.asarray(run(x[:rows], weight, 0)), alone[:rows])
 
 
-@pytest.mark.parametrize("int8_activations", [pytest.param(False, marks=needs_kquant_kernel),
+@pytest.mark.parametrize("int8_activations", [pytest.param(False, marks=needs_vec16),
                                               pytest.param(True, marks=needs_vnni)], ids=["exact", "gguf-a8"])
 def test_several_kinds_in_one_call(int8_activations):
     """A layer's q, k and v in one call of either kernel, each of its own
@@ -205,7 +205,7 @@ def kquant_load(mixed_file):
 TOKENS = np.arange(1, 40)
 
 
-@needs_kquant_kernel
+@needs_vec16
 def test_the_k_quant_kernel_build_starts_before_the_weights_are_read(mixed_file, monkeypatch):
     """The K-quant kernel, a machine's longest build, is asked for as soon as
     the file is open (it holds K-quants), not once its weights are arranged:
@@ -218,7 +218,7 @@ def test_the_k_quant_kernel_build_starts_before_the_weights_are_read(mixed_file,
     assert before == [True]
 
 
-@needs_kquant_kernel
+@needs_vec16
 def test_file_loads_at_its_own_size_with_the_float_loads_logits(mixed_file, kquant_load, float_load):
     """quantization="auto" on CPU: every linear weight and the untied head
     in their K-quant blocks, a weight mixing types one stack per type, each
@@ -255,7 +255,7 @@ def test_xla_backend_runs_the_same_weights(kquant_load, float_load):
     assert_logits_close(reference.logits(TOKENS), float_load.logits(TOKENS), rtol=1e-5)
 
 
-@needs_kquant_kernel
+@needs_vec16
 def test_gguf_a8_multiplies_int8_blocks(mixed_file, kquant_load):
     """quantization="gguf-a8": every K-quant weight (mixed stacks' parts too)
     marked for int8 activations in blocks of a super-block (llama.cpp's
@@ -347,7 +347,7 @@ def test_columns_are_gguf_values(qtype, tile):
     np.testing.assert_array_equal(np.asarray(stored.columns(indices)), table[indices])
 
 
-@needs_kquant_kernel
+@needs_vec16
 def test_a_tied_k_quant_table_is_the_only_embedding_copy(tmp_path):
     """A tied model whose token_embd is Q6_K (a Q4_K_M file's): on CPU the
     head's blocks are kept, the float table is dropped (the lookup reads
@@ -365,7 +365,7 @@ def test_a_tied_k_quant_table_is_the_only_embedding_copy(tmp_path):
     assert_logits_close(kquant.logits(TOKENS), float_load.logits(TOKENS), rtol=1e-5)
 
 
-@needs_kquant_kernel
+@needs_vec16
 def test_a_mixed_stack_is_read_in_one_call():
     """A MixedStack of Q6_K and Q4_K layers (a Q4_K_M file's attn_v) beside a
     plain weight in one kernel call: each layer bit for bit its part's own
