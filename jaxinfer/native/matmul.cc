@@ -405,8 +405,7 @@ void FewRowsGroup(const Problem& p, int64_t g, int64_t col, int64_t row0, const 
   if (p.int4) {
     for (int64_t j = 0; j < p.group / 2; ++j) {  // byte row j: inputs 2j and 2j + 1, in nibble order
       vec::I lines[kLines];
-      // Pinned: kept in registers for the eight shifts (on AVX2 g++ otherwise loads the line again for each).
-      for (int l = 0; l < kLines; ++l) lines[l] = vec::Pinned(vec::LoadInts(codes[l] + (g * p.group / 2 + j) * stride));
+      for (int l = 0; l < kLines; ++l) lines[l] = vec::LoadInts(codes[l] + (g * p.group / 2 + j) * stride);
       // Vector k is columns 16(k % 4) .. + 15 of line k / 4 (k unrolled: the shifts are constants).
       multiply_add(2 * j, [&](int k) {
         switch (k % 4) {
