@@ -624,7 +624,7 @@ ffi::Error Describe(const ffi::Buffer<ffi::F32>& x, const ffi::AnyBuffer& data, 
   }
 #else
   if (tiled) {
-    return ffi::Error::InvalidArgument("quantized matmul: tiled weights need a build with AVX-512 or AVX2, FMA and F16C");
+    return ffi::Error::InvalidArgument("quantized matmul: tiled weights need AVX-512, or AVX2 with FMA and F16C");
   }
 #endif
   *problem = p;

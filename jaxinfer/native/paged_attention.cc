@@ -32,9 +32,7 @@
 // sum of values; the chunks' results merged per row (MergeChunks). Tasks
 // are shared between the calling thread and XLA's intra-op thread pool
 // (parallel.h).
-#if defined(__AVX512F__)
-#include <immintrin.h>  // only the AVX-512 paths; the rest builds on any CPU
-#endif
+#include "jaxinfer/native/vec16.h"  // the vector paths (JAXINFER_VEC16); the rest builds on any CPU
 
 #include <algorithm>
 #include <cmath>
@@ -48,6 +46,9 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+#if JAXINFER_VEC16
+namespace vec = jaxinfer::vec16;
+#endif
 
 namespace {
 
@@ -282,7 +283,7 @@ inline void ForEachKey(const Problem& p, const RowReader& reader, int64_t seq, i
   }, companion);
 }
 
-#if defined(__AVX512F__)
+#if JAXINFER_VEC16
 // The float32 pool's inner loops with a head dimension known at compile time,
 // for a block of tokens and kRows query rows of one KV head: the rows' queries
 // (ScoreRows) or output sums (AccumulateRows) stay in registers across the
@@ -292,23 +293,24 @@ inline void ForEachKey(const Problem& p, const RowReader& reader, int64_t seq, i
 // default model's shapes (3 KV heads of 3 query heads, head dim 64) over 140
 // tokens x 30 layers, 32 / 8 / 1 sequences, took 15.8 / 4.3 / 0.44 ms there
 // and take 12.4 / 3.0 / 0.29 ms here (the softmax's exp is 1.8 ms of the 12.4).
+// 16 vectors of queries or sums on AVX-512; AVX2's 16 registers hold one row of 4 vectors (head dim 64).
 template <int64_t kHeadDim>
-constexpr int kRowsInRegisters = kHeadDim <= 64 ? 4 : 2;  // 16 vectors of queries or sums
+constexpr int kRowsInRegisters = vec::kVecRegisters < 32 ? 1 : kHeadDim <= 64 ? 4 : 2;
 
 template <int64_t kHeadDim, int kRows>
 void ScoreRows(const float* keys, int64_t key_stride, int64_t count, const float* queries, float* scores,
                int64_t score_stride) {
   constexpr int kVectors = kHeadDim / 16;
-  __m512 q[kRows][kVectors];
+  vec::F q[kRows][kVectors];
   for (int r = 0; r < kRows; ++r)
-    for (int v = 0; v < kVectors; ++v) q[r][v] = _mm512_loadu_ps(queries + r * kHeadDim + 16 * v);
+    for (int v = 0; v < kVectors; ++v) q[r][v] = vec::LoadUnaligned(queries + r * kHeadDim + 16 * v);
   for (int64_t t = 0; t < count; ++t) {
-    __m512 key[kVectors];
-    for (int v = 0; v < kVectors; ++v) key[v] = _mm512_loadu_ps(keys + t * key_stride + 16 * v);
+    vec::F key[kVectors];
+    for (int v = 0; v < kVectors; ++v) key[v] = vec::LoadUnaligned(keys + t * key_stride + 16 * v);
     for (int r = 0; r < kRows; ++r) {
-      __m512 dot = _mm512_mul_ps(q[r][0], key[0]);
-      for (int v = 1; v < kVectors; ++v) dot = _mm512_fmadd_ps(q[r][v], key[v], dot);
-      scores[r * score_stride + t] = _mm512_reduce_add_ps(dot);
+      vec::F dot = vec::Mul(q[r][0], key[0]);
+      for (int v = 1; v < kVectors; ++v) dot = vec::MulAdd(q[r][v], key[v], dot);
+      scores[r * score_stride + t] = vec::Sum(dot);
     }
   }
 }
@@ -317,19 +319,19 @@ template <int64_t kHeadDim, int kRows>
 void AccumulateRows(const float* values, int64_t value_stride, int64_t count, const float* weights,
                     int64_t weight_stride, float* sums) {
   constexpr int kVectors = kHeadDim / 16;
-  __m512 acc[kRows][kVectors];
+  vec::F acc[kRows][kVectors];
   for (int r = 0; r < kRows; ++r)
-    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_loadu_ps(sums + r * kHeadDim + 16 * v);
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = vec::LoadUnaligned(sums + r * kHeadDim + 16 * v);
   for (int64_t t = 0; t < count; ++t) {
-    __m512 value[kVectors];
-    for (int v = 0; v < kVectors; ++v) value[v] = _mm512_loadu_ps(values + t * value_stride + 16 * v);
+    vec::F value[kVectors];
+    for (int v = 0; v < kVectors; ++v) value[v] = vec::LoadUnaligned(values + t * value_stride + 16 * v);
     for (int r = 0; r < kRows; ++r) {
-      const __m512 weight = _mm512_set1_ps(weights[r * weight_stride + t]);
-      for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_fmadd_ps(weight, value[v], acc[r][v]);
+      const vec::F weight = vec::Set(weights[r * weight_stride + t]);
+      for (int v = 0; v < kVectors; ++v) acc[r][v] = vec::MulAdd(weight, value[v], acc[r][v]);
     }
   }
   for (int r = 0; r < kRows; ++r)
-    for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(sums + r * kHeadDim + 16 * v, acc[r][v]);
+    for (int v = 0; v < kVectors; ++v) vec::StoreUnaligned(sums + r * kHeadDim + 16 * v, acc[r][v]);
 }
 
 // Calls body(std::integral_constant<int, n>, row) for rows [begin, end) in
@@ -346,18 +348,18 @@ void ForEachRowRun(int64_t begin, int64_t end, Body body) {
     default: break;
   }
 }
-#endif  // __AVX512F__
+#endif  // JAXINFER_VEC16
 
 // The scores pass (kScores: scores[row, pos - key_begin] = queries[row] .
 // key[pos]) or the values pass (sums[row] += scores[row, pos - key_begin] *
 // value[pos]) over keys [key_begin, key_end) of a float32 pool with the
 // register loops above; false, doing nothing, where they do not apply
-// (another pool type, a head dimension not compiled in, no AVX-512): the
-// caller's general loop runs instead.
+// (another pool type, a head dimension not compiled in, no vec16.h build):
+// the caller's general loop runs instead.
 template <int64_t kHeadDim, bool kScores>
 bool FloatPoolPass(const Problem& p, int64_t seq, int64_t head_begin, int64_t num_heads, int64_t rows_per_head,
                    int64_t key_begin, int64_t key_end, float* rows, float* scores) {
-#if defined(__AVX512F__)
+#if JAXINFER_VEC16
   if constexpr (kHeadDim > 0) {
     const RowReader& reader = kScores ? p.k : p.v;
     if (reader.dtype != ffi::DataType::F32) return false;
@@ -386,25 +388,24 @@ bool FloatPoolPass(const Problem& p, int64_t seq, int64_t head_begin, int64_t nu
   return false;
 }
 
-#if defined(__AVX512F__)
+#if JAXINFER_VEC16
 // exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2 / 2 (ln2 in two parts, so
 // r is exact), exp(r) by its Taylor series to r^7 (truncation below 1e-8
-// relative), then times 2^n by vscalefps, which gives 0 for n below the
-// float range. Inputs under -104 (exp is below the smallest float there) are
-// clamped first; NaN stays NaN. Within 0.91 float ulps of exp over [-87, 0],
-// the softmax's range (every 7th float, against double exp, /tmp program).
-// A libm expf call per visible key was 45% of the kernel's time in the
-// harness above with the blocks in cache (12.96 -> 7.23 ms).
-inline __m512 Exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // NaN in x: max returns x
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 poly = _mm512_set1_ps(1.0f / 5040);
+// relative), then times 2^n (vec16's ScaleByPowerOf2), which gives 0 for n
+// below the float range. Inputs under -104 (exp is below the smallest float
+// there) are clamped first; NaN stays NaN. Within 0.91 float ulps of exp
+// over [-87, 0], the softmax's range (every 7th float, against double exp,
+// /tmp program, AVX-512). A libm expf call per visible key was 45% of the
+// kernel's time in the harness above with the blocks in cache (12.96 -> 7.23 ms).
+inline vec::F Exp16(vec::F x) {
+  x = vec::Max(vec::Set(-104.0f), x);  // NaN in x: Max returns x
+  const vec::F n = vec::RoundNearest(vec::Mul(x, vec::Set(1.44269504088896341f)));
+  vec::F r = vec::NegMulAdd(n, vec::Set(0.693145751953125f), x);
+  r = vec::NegMulAdd(n, vec::Set(1.428606765330187e-06f), r);
+  vec::F poly = vec::Set(1.0f / 5040);
   for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(poly, n);
+    poly = vec::MulAdd(poly, r, vec::Set(c));
+  return vec::ScaleByPowerOf2(poly, n);
 }
 #endif
 
@@ -416,28 +417,23 @@ struct Softmax {
   float max, sum;
 };
 Softmax SoftmaxWeights(float* s, int64_t num_keys, int64_t first, int64_t last) {
-#if defined(__AVX512F__)
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  auto visible = [&](int64_t pos) {  // lanes pos .. pos + 15 inside [first, last)
-    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(pos)), lanes);
-    return _mm512_cmpge_epi32_mask(at, _mm512_set1_epi32(static_cast<int32_t>(first))) &
-           _mm512_cmplt_epi32_mask(at, _mm512_set1_epi32(static_cast<int32_t>(last)));
-  };
-  __m512 max16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t pos = first - first % 16; pos < last; pos += 16)
-    max16 = _mm512_mask_max_ps(max16, visible(pos), max16, _mm512_maskz_loadu_ps(visible(pos), s + pos));
-  const float max_score = _mm512_reduce_max_ps(max16);
-  const __m512 max_scores = _mm512_set1_ps(max_score);
-  __m512 sum16 = _mm512_setzero_ps();
-  for (int64_t pos = 0; pos < num_keys; pos += 16) {
-    const __mmask16 in_row =
-        pos + 16 <= num_keys ? __mmask16(0xFFFF) : __mmask16((1u << (num_keys - pos)) - 1);
-    const __m512 shifted = _mm512_sub_ps(_mm512_maskz_loadu_ps(in_row, s + pos), max_scores);
-    const __m512 weights = _mm512_maskz_mov_ps(visible(pos), Exp16(shifted));
-    _mm512_mask_storeu_ps(s + pos, in_row, weights);
-    sum16 = _mm512_add_ps(sum16, weights);
+#if JAXINFER_VEC16
+  vec::F max16 = vec::Set(-std::numeric_limits<float>::infinity());
+  for (int64_t pos = first - first % 16; pos < last; pos += 16) {
+    const vec::M visible = vec::LanesIn(pos, first, last);
+    max16 = vec::MaxMasked(max16, visible, vec::LoadMasked(visible, s + pos));
   }
-  const float sum = _mm512_reduce_add_ps(sum16);
+  const float max_score = vec::MaxOf(max16);
+  const vec::F max_scores = vec::Set(max_score);
+  vec::F sum16 = vec::Zero();
+  for (int64_t pos = 0; pos < num_keys; pos += 16) {
+    const vec::M in_row = vec::LanesIn(pos, 0, num_keys);
+    const vec::F weights = vec::Masked(vec::LanesIn(pos, first, last),
+                                       Exp16(vec::Sub(vec::LoadMasked(in_row, s + pos), max_scores)));
+    vec::StoreMasked(s + pos, in_row, weights);
+    sum16 = vec::Add(sum16, weights);
+  }
+  const float sum = vec::Sum(sum16);
 #else
   float max_score = -std::numeric_limits<float>::infinity();
   for (int64_t pos = first; pos < last; ++pos) max_score = std::max(max_score, s[pos]);

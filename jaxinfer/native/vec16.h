@@ -1,10 +1,11 @@
-// Sixteen 32-bit lanes, as the exact kernels (kquant_matmul.cc, matmul.cc's
-// tiled paths) work on them: one AVX-512 register, or two AVX2 registers
-// (lanes 0-7 and 8-15) where the CPU has AVX2, FMA and F16C but no AVX-512. Every operation here
-// acts lane by lane, so a kernel written on these computes the same numbers
-// on both, in the same order; only what the registers hold at once differs
-// (16 ymm against 32 zmm: the kernel sizes its register tiles by
-// kVecRegisters).
+// Sixteen 32-bit lanes, as the native kernels' vector paths work on them
+// (kquant_matmul.cc, matmul.cc's tiled paths, paged_attention.cc's float
+// pool and softmax): one AVX-512 register, or two AVX2 registers (lanes 0-7
+// and 8-15) where the CPU has AVX2, FMA and F16C but no AVX-512. Every
+// operation here acts lane by lane (but Sum and MaxOf), so a kernel written
+// on these computes the same numbers on both, in the same order; only what
+// the registers hold at once differs (16 ymm against 32 zmm: the kernel
+// sizes its register tiles by kVecRegisters).
 //
 // Why two halves rather than a kernel of 8 lanes: the tiled layouts
 // (quant/kquant.py, quant/tensor.py) put 16 columns in each 64-byte line, and
@@ -65,6 +66,25 @@ inline F FromHalves(const uint16_t* p) {  // 16 float16 as float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline float Sum(F v) { return _mm512_reduce_add_ps(v); }
+inline void StoreUnaligned(float* p, F v) { _mm512_storeu_ps(p, v); }
+inline F Max(F a, F b) { return _mm512_max_ps(a, b); }  // b where either is NaN
+inline float MaxOf(F v) { return _mm512_reduce_max_ps(v); }
+inline F RoundNearest(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// v * 2^n for integral n (one rounding: 0 or a subnormal below the float range).
+inline F ScaleByPowerOf2(F v, F n) { return _mm512_scalef_ps(v, n); }
+
+// Which lanes an operation touches: lane i where pos + i is in [first, last).
+using M = __mmask16;
+inline M LanesIn(int64_t pos, int64_t first, int64_t last) {
+  const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(pos)),
+                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  return _mm512_cmpge_epi32_mask(at, _mm512_set1_epi32(static_cast<int32_t>(first))) &
+         _mm512_cmplt_epi32_mask(at, _mm512_set1_epi32(static_cast<int32_t>(last)));
+}
+inline F LoadMasked(M m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }  // 0 in the other lanes
+inline void StoreMasked(float* p, M m, F v) { _mm512_mask_storeu_ps(p, m, v); }
+inline F Masked(M m, F v) { return _mm512_maskz_mov_ps(m, v); }                        // 0 in the other lanes
+inline F MaxMasked(F acc, M m, F v) { return _mm512_mask_max_ps(acc, m, acc, v); }  // acc in the other lanes
 // With 32 registers g++ schedules the kernels well as they are (see the AVX2 Pinned).
 inline I Pinned(I v) { return v; }
 inline F Pinned(F v) { return v; }
@@ -139,6 +159,60 @@ inline float Sum(F v) {
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
+}
+inline void StoreUnaligned(float* p, F v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+inline F Max(F a, F b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline float MaxOf(F v) {
+  const __m256 m = _mm256_max_ps(v.lo, v.hi);
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_max_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline F RoundNearest(F v) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(v.lo, kMode), _mm256_round_ps(v.hi, kMode)};
+}
+// v * 2^n for integral n in [-150, 127], as two exact powers of two built in
+// the exponent bits (AVX2 has no vscalefps): 2^max(n, -126), then the rest
+// (at most 2^-24), so only results below the normal range round, possibly twice.
+inline F ScaleByPowerOf2(F v, F n) {
+  auto half = [](__m256 v, __m256 n) {
+    const __m256i whole = _mm256_cvtps_epi32(n);
+    const __m256i first = _mm256_max_epi32(whole, _mm256_set1_epi32(-126));
+    const auto power = [](__m256i e) {  // 2^e for e in [-126, 127]: the biased exponent's bits
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+    };
+    return _mm256_mul_ps(_mm256_mul_ps(v, power(first)), power(_mm256_sub_epi32(whole, first)));
+  };
+  return {half(v.lo, n.lo), half(v.hi, n.hi)};
+}
+
+// Which lanes an operation touches (all ones in a lane it does): lane i
+// where pos + i is in [first, last).
+struct M {
+  __m256i lo, hi;
+};
+inline M LanesIn(int64_t pos, int64_t first, int64_t last) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i below = _mm256_set1_epi32(static_cast<int32_t>(first) - 1);
+  const __m256i end = _mm256_set1_epi32(static_cast<int32_t>(last));
+  auto half = [&](int64_t at) {
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(at)), lanes);
+    return _mm256_and_si256(_mm256_cmpgt_epi32(index, below), _mm256_cmpgt_epi32(end, index));
+  };
+  return {half(pos), half(pos + 8)};
+}
+inline F LoadMasked(M m, const float* p) { return {_mm256_maskload_ps(p, m.lo), _mm256_maskload_ps(p + 8, m.hi)}; }
+inline void StoreMasked(float* p, M m, F v) {
+  _mm256_maskstore_ps(p, m.lo, v.lo), _mm256_maskstore_ps(p + 8, m.hi, v.hi);
+}
+inline F Masked(M m, F v) {
+  return {_mm256_and_ps(_mm256_castsi256_ps(m.lo), v.lo), _mm256_and_ps(_mm256_castsi256_ps(m.hi), v.hi)};
+}
+inline F MaxMasked(F acc, M m, F v) {
+  return {_mm256_blendv_ps(acc.lo, _mm256_max_ps(acc.lo, v.lo), _mm256_castsi256_ps(m.lo)),
+          _mm256_blendv_ps(acc.hi, _mm256_max_ps(acc.hi, v.hi), _mm256_castsi256_ps(m.hi))};
 }
 
 #endif

@@ -72,9 +72,9 @@ def run_kernel(q, k_pool, v_pool, tables, context_lens, layer, sliding_window=No
                           (3, 2, 32, 7, 9), (2, 3, 64, None, 4), (3, 1, 128, 9, 6)])
 def test_float32_pool_matches_float64(rows, group, head_dim, sliding_window, num_seqs):
     # 13 sequences with 2 KV heads: enough for the kernel's one-task-per-sequence split.
-    # Head dims 64 and 128 take the register loops, in runs of 4 and 2 query rows
-    # (rows x group = 3, 16, 6: a short last run of 3, none, 2; 1 and 3 at 128);
-    # 32 takes the general loop.
+    # Head dims 64 and 128 take the register loops (vec16.h), on AVX-512 in runs of 4 and 2
+    # query rows (rows x group = 3, 16, 6: a short last run of 3, none, 2; 1 and 3 at 128),
+    # on AVX2 one row at a time; 32 takes the general loop.
     rng = np.random.default_rng(rows * 100 + head_dim + num_seqs)
     q, k_pool, v_pool, tables, context_lens, dense = make_case(rng, num_seqs, rows, 16, 2, group, head_dim,
                                                                num_layers=3, layer=1)
