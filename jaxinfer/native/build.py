@@ -53,9 +53,10 @@ def cpu_has(flag: str) -> bool:
 
 
 def cpu_runs_vec16() -> bool:
-    """Whether this CPU has the instructions the kernels written on vec16.h
-    need (kquant_matmul.cc, matmul.cc's tiled paths): AVX-512, or AVX2 with
-    FMA and F16C."""
+    """Whether this CPU has the instructions the kernel paths written on
+    vec16.h need (kquant_matmul.cc, matmul.cc's tiled paths, which the
+    Python side chooses by it; paged_attention.cc's vector paths, which the
+    build alone chooses): AVX-512, or AVX2 with FMA and F16C."""
     return cpu_has("avx512f") or all(cpu_has(flag) for flag in ("avx2", "fma", "f16c"))
 
 

@@ -34,7 +34,7 @@ TILE = 64  # columns per tile: the kernels read tiled weights only
 
 
 def available() -> bool:
-    """Whether the exact kernel is built and registered (built on first call; cpu_takes_kernel)."""
+    """Whether the exact kernel is built and registered (built on first call, where cpu_runs_vec16)."""
     return cpu_runs_vec16() and native_ffi_target(str(SOURCE), "JaxinferKQuantMatmuls", TARGET_NAME)
 
 
