@@ -153,22 +153,27 @@ inline F FromHalves(const uint16_t* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
-inline float Sum(F v) {
-  const __m256 s = _mm256_add_ps(v.lo, v.hi);
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+// The 16 lanes folded by op (halves, then quarters, pairs and lanes) into one float.
+template <typename Op>
+inline float Fold(F v, Op op) {
+  const __m256 s = op(v.lo, v.hi);
+  __m128 q = op(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  q = op(q, _mm_movehl_ps(q, q));
+  q = op(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
+struct AddLanes {
+  __m256 operator()(__m256 a, __m256 b) const { return _mm256_add_ps(a, b); }
+  __m128 operator()(__m128 a, __m128 b) const { return _mm_add_ps(a, b); }
+};
+struct MaxLanes {
+  __m256 operator()(__m256 a, __m256 b) const { return _mm256_max_ps(a, b); }
+  __m128 operator()(__m128 a, __m128 b) const { return _mm_max_ps(a, b); }
+};
+inline float Sum(F v) { return Fold(v, AddLanes{}); }
+inline float MaxOf(F v) { return Fold(v, MaxLanes{}); }
 inline void StoreUnaligned(float* p, F v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
 inline F Max(F a, F b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
-inline float MaxOf(F v) {
-  const __m256 m = _mm256_max_ps(v.lo, v.hi);
-  __m128 q = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_max_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
 inline F RoundNearest(F v) {
   constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   return {_mm256_round_ps(v.lo, kMode), _mm256_round_ps(v.hi, kMode)};
