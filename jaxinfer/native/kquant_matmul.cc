@@ -90,17 +90,9 @@ using jaxinfer::kquant::Shape;
 using jaxinfer::kquant::ShapeOf;
 
 constexpr int64_t kMaxTaskRows = 36;  // the many-row path's rows per task at most
-// The many-row path's register tile: kTileRows rows x kTileVectors vectors of
-// partial sums beside the kTileVectors weight vectors they multiply (AVX-512
-// 24 + 4 of 32 registers; AVX2, two registers a vector, 12 + 2 of 16).
-constexpr int64_t kTileRows = 6;
-constexpr int kTileVectors = vec::kVecRegisters == 32 ? 4 : 1;
-// Rows up to which the few-row path serves (PlanKind): 8 on AVX-512. AVX2's 16 registers
-// hold one row's 4 vectors of sums (8 registers) beside a code's expansion,
-// so its few-row path takes one row (expanding the codes again for each
-// further row cost more than the many-row path's L1 buffer: batch 8 of a
-// 0.47B Q4_K_M 241 ms a step, against 200 with matmul.cc's int4 copy).
-constexpr int64_t kFewRowsMax = vec::kVecRegisters == 32 ? 8 : 1;
+using vec::kFewRowsMax;  // rows the few-row path takes (PlanKind)
+using vec::kTileRows;
+using vec::kTileVectors;
 
 // A kind's numbers (kquant_layer.h, ShapeOf) as constants of the kernels'
 // templates: the shifts, masks and tables compile to immediates.

@@ -194,15 +194,10 @@ void MatmulChunk(const Problem& p, int64_t chunk) {
 // buffer every row tile reads. Written on vec16.h: AVX-512, or AVX2 with FMA
 // and F16C, the same operations in the same order on both.
 constexpr int64_t kTileColumns = 64;
-constexpr int64_t kTileRows = 6;
-// The register tile's vectors: AVX-512 24 sums + 4 weights of 32 registers;
-// AVX2, two registers a vector, 12 + 2 of 16 (a tile's 64 columns in four passes).
-constexpr int kTileVectors = vec::kVecRegisters == 32 ? 4 : 1;
-// Rows up to which a tiled weight takes the few-row path (PlanProduct): 8
-// on AVX-512. AVX2's 16 registers hold one row's 4 vectors of sums beside a
-// code line's expansion, so there it takes one row, and 2 rows on go
-// through the group buffer (as the K-quant kernel, kquant_matmul.cc).
-constexpr int64_t kFewRowsMax = vec::kVecRegisters == 32 ? kRowBlock : 1;
+using vec::kFewRowsMax;  // rows a tiled weight takes the few-row path at (PlanProduct); at most kRowBlock
+using vec::kTileRows;
+using vec::kTileVectors;
+static_assert(kFewRowsMax <= kRowBlock);
 // Rows per task at most: a group's codes are turned into floats once per task,
 // for all its row tiles. Rows are split into equal tasks (64 rows: two of 32,
 // not 36 + 28), more of them where that makes the tasks a multiple of the

@@ -222,5 +222,21 @@ inline F MaxMasked(F acc, M m, F v) {
 
 #endif
 
+// The register budget of the exact kernels' two paths (matmul.cc's tiled
+// paths, kquant_matmul.cc), one rule for both:
+// - the many-row path's register tile, kTileRows rows x kTileVectors vectors
+//   of partial sums beside the kTileVectors weight vectors they multiply
+//   (AVX-512 24 + 4 of 32 registers; AVX2, two registers a vector, 12 + 2 of
+//   16, a tile's 64 columns in four passes);
+// - the rows the few-row path takes at most, expanding the codes in
+//   registers for each row tile: 8 on AVX-512; on AVX2 one row's 4 vectors
+//   of sums (8 registers) beside a code line's expansion, and 2 rows on go
+//   through the many-row path's L1 buffer (expanding the codes again for each
+//   further row cost more: batch 8 of a 0.47B Q4_K_M 241 ms a step, against
+//   200 with matmul.cc's int4 copy, BENCHMARKS.md).
+constexpr int kTileRows = 6;
+constexpr int kTileVectors = kVecRegisters == 32 ? 4 : 1;
+constexpr int kFewRowsMax = kVecRegisters == 32 ? 8 : 1;
+
 }  // namespace jaxinfer::vec16
 #endif  // JAXINFER_VEC16
