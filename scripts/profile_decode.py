@@ -117,7 +117,7 @@ def main() -> None:
         sampling = SamplingMetadata.from_params([s.params for s in seqs], [0] * len(seqs), [1] * len(seqs), num_seqs)
         logits = jnp.zeros((num_seqs, config.vocab_size), jnp.float32)
         sample_ms = time_ms(lambda: sample_step(logits, sampling, None, *runner._no_mask(num_seqs), full=False,
-                                                work=runner._sampler_work(seqs), feed_size=runner.feed_size),
+                                                work=runner._sampler_work(seqs, False), feed_size=runner.feed_size),
                             iters=args.iters)
 
         x = jnp.ones((num_seqs, config.hidden_size), llm.model.dtype)
