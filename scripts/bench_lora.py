@@ -92,7 +92,8 @@ def decode_step(llm, batch: int, context: int, lora_slots):
 
     def step():
         logits, _ = runner.forward(inputs)
-        jax.block_until_ready(runner._sample(logits, sampling, None, False, runner._no_mask(num_seqs)))
+        jax.block_until_ready(runner._sample(logits, sampling, None, False, runner._sampler_work([], False),
+                                             runner._no_mask(num_seqs)))
 
     return step
 
