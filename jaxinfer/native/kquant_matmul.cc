@@ -496,44 +496,21 @@ __attribute__((always_inline)) inline void PrefetchGroup(const Tile& t, int64_t 
 
 // Rows [row0, row0 + kRows) x the 64 columns of a tile, group g, from the
 // group's codes, scales and minimums as floats (w, GroupCodes):
-// FewRowsGroup's operations in its order, kTileVectors columns of vectors
-// at a time (each accumulator still takes the group's inputs in order).
+// FewRowsGroup's operations in its order (vec16.h's TileDots).
 template <int64_t kKind, int kRows>
 void TileGroup(const Problem& p, const float* w, int64_t g, int64_t row0, const float* x_sums, float* result) {
   using F = Format<kKind>;
-  const float* x = p.x + row0 * p.in + g * F::kGroup;
+  vec::TileDots<kRows>(
+      p.x + row0 * p.in + g * F::kGroup, p.in, w, std::integral_constant<int64_t, F::kGroup>{},
+      [&](const vec::F (&acc)[kRows][kTileVectors], int pass) __attribute__((always_inline)) {
 #pragma GCC unroll 4
-  for (int pass = 0; pass < 4; pass += kTileVectors) {
-    vec::F acc[kRows][kTileVectors];
-    for (int r = 0; r < kRows; ++r)
-      for (int k = 0; k < kTileVectors; ++k) acc[r][k] = vec::Zero();
-    for (int64_t i = 0; i < F::kGroup; ++i) {
-      vec::F wi[kTileVectors];
-      // One load for all rows (on AVX2 g++ folded a load into each row's multiply-add).
-      for (int k = 0; k < kTileVectors; ++k) wi[k] = vec::Pinned(vec::Load(w + i * kTileColumns + 16 * (pass + k)));
-      for (int r = 0; r < kRows; ++r) {
-        const vec::F xi = vec::Set(x[r * p.in + i]);
-        for (int k = 0; k < kTileVectors; ++k) acc[r][k] = vec::MulAdd(wi[k], xi, acc[r][k]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int k = 0; k < kTileVectors; ++k) {
-      const int v = pass + k;
-      FoldVector<kKind, kRows, kTileVectors, kTileColumns>(
-          p, acc, k, vec::Load(w + F::kGroup * kTileColumns + 16 * v),
-          vec::Load(w + (F::kGroup + 1) * kTileColumns + 16 * v), g, row0, x_sums, result + 16 * pass);
-    }
-  }
-}
-
-// TileGroup of the `left` rows (fewer than kTileRows) after the row tiles.
-template <int64_t kKind, int kRows = kTileRows - 1>
-void TileGroupRest(const Problem& p, const float* w, int64_t g, int64_t row0, int64_t left, const float* x_sums,
-                   float* result) {
-  if constexpr (kRows > 0) {
-    if (left == kRows) return TileGroup<kKind, kRows>(p, w, g, row0, x_sums, result);
-    TileGroupRest<kKind, kRows - 1>(p, w, g, row0, left, x_sums, result);
-  }
+        for (int k = 0; k < kTileVectors; ++k) {
+          const int v = pass + k;
+          FoldVector<kKind, kRows, kTileVectors, kTileColumns>(
+              p, acc, k, vec::Load(w + F::kGroup * kTileColumns + 16 * v),
+              vec::Load(w + (F::kGroup + 1) * kTileColumns + 16 * v), g, row0, x_sums, result + 16 * pass);
+        }
+      });
 }
 
 // Rows [row_begin, row_end) x the 64 columns of tile `tile`, every group, in
@@ -554,7 +531,8 @@ void ManyRowsTask(const Problem& p, int64_t tile, int64_t row_begin, int64_t row
       GroupCodes<kKind>(t, g, w);
       int64_t r = row_begin;
       for (; r + kTileRows <= row_end; r += kTileRows) TileGroup<kKind, kTileRows>(p, w, g, r, x_sums, base);
-      TileGroupRest<kKind>(p, w, g, r, row_end - r, x_sums, base);
+      vec::ForRowsLeft(row_end - r,
+                       [&](auto rows) { TileGroup<kKind, decltype(rows)::value>(p, w, g, r, x_sums, base); });
     }
     for (int64_t r = row_begin; r < row_end; ++r) {
       float* out = p.out + r * p.out_features + tile * kTileColumns;

@@ -316,39 +316,16 @@ __attribute__((always_inline)) inline void FoldGroup(const Problem& p, const vec
 }
 
 // Rows [row0, row0 + kRows) x the 64 columns at col, group g: the dot of each
-// row's group inputs with the codes w (GroupCodes), folded into result,
-// kTileVectors vectors of columns at a time (each sum still takes the
-// group's inputs in order).
+// row's group inputs with the codes w (GroupCodes, vec16.h's TileDots),
+// folded into result.
 template <int kRows>
 void TileGroup(const Problem& p, const float* w, int64_t g, int64_t col, int64_t row0, const float* x_sums,
                float* result) {
-  const float* x = p.x + row0 * p.in + g * p.group;
-#pragma GCC unroll 4
-  for (int pass = 0; pass < 4; pass += kTileVectors) {
-    vec::F acc[kRows][kTileVectors];
-    for (int r = 0; r < kRows; ++r)
-      for (int k = 0; k < kTileVectors; ++k) acc[r][k] = vec::Zero();
-    for (int64_t i = 0; i < p.group; ++i) {
-      vec::F wi[kTileVectors];
-      // One load for all rows (on AVX2 g++ folded a load into each row's multiply-add).
-      for (int k = 0; k < kTileVectors; ++k) wi[k] = vec::Pinned(vec::Load(w + i * kTileColumns + 16 * (pass + k)));
-      for (int r = 0; r < kRows; ++r) {
-        const vec::F xi = vec::Set(x[r * p.in + i]);
-        for (int k = 0; k < kTileVectors; ++k) acc[r][k] = vec::MulAdd(wi[k], xi, acc[r][k]);
-      }
-    }
-    FoldGroup<kRows, kTileVectors, kTileColumns>(p, acc, g, col + 16 * pass, row0, x_sums, result + 16 * pass);
-  }
-}
-
-// TileGroup of the `left` rows (fewer than kTileRows) after the row tiles.
-template <int kRows = kTileRows - 1>
-void TileGroupRest(const Problem& p, const float* w, int64_t g, int64_t col, int64_t row0, int64_t left,
-                   const float* x_sums, float* result) {
-  if constexpr (kRows > 0) {
-    if (left == kRows) return TileGroup<kRows>(p, w, g, col, row0, x_sums, result);
-    TileGroupRest<kRows - 1>(p, w, g, col, row0, left, x_sums, result);
-  }
+  vec::TileDots<kRows>(p.x + row0 * p.in + g * p.group, p.in, w, p.group,
+                       [&](const vec::F (&acc)[kRows][kTileVectors], int pass) __attribute__((always_inline)) {
+                         FoldGroup<kRows, kTileVectors, kTileColumns>(p, acc, g, col + 16 * pass, row0, x_sums,
+                                                                      result + 16 * pass);
+                       });
 }
 
 // Each row's sum of x over each group, [rows, groups]: what the offsets multiply.
@@ -489,7 +466,8 @@ void ManyRowsTask(const Problem& p, int64_t col, int64_t row_begin, int64_t row_
       GroupCodes(p, g, col, w);
       int64_t r = row_begin;
       for (; r + kTileRows <= row_end; r += kTileRows) TileGroup<kTileRows>(p, w, g, col, r, x_sums, base);
-      TileGroupRest(p, w, g, col, r, row_end - r, x_sums, base);
+      vec::ForRowsLeft(row_end - r,
+                       [&](auto rows) { TileGroup<decltype(rows)::value>(p, w, g, col, r, x_sums, base); });
     }
     for (int64_t r = row_begin; r < row_end; ++r) {
       float* out = p.out + r * p.out_features + col;

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 // JAXINFER_VEC16: whether this build has them (AVX-512, or AVX2 with FMA and
 // F16C); without, this header defines nothing and a kernel that needs it
@@ -237,6 +238,48 @@ inline F MaxMasked(F acc, M m, F v) {
 constexpr int kTileRows = 6;
 constexpr int kTileVectors = kVecRegisters == 32 ? 4 : 1;
 constexpr int kFewRowsMax = kVecRegisters == 32 ? 8 : 1;
+
+// The many-row path's register tile, written once for both kernels: kRows
+// rows (at most kTileRows) times one group of a 64-column tile whose codes
+// are expanded to floats, w[64 * i + c] for the group's input i (each
+// kernel's GroupCodes). For each pass over kTileVectors of the tile's 4
+// vectors of columns, acc[r][k] = the sum over the group's inputs i, in
+// order from 0, of x[r * x_stride + i] * w[16 * (4 * i + pass + k)], then
+// fold(acc, pass) adds it to the row's result with the kernel's scales. That
+// order is the few-row path's too, so a row's result never depends on the
+// rows beside it. group: an int64_t, or a std::integral_constant where the
+// kernel knows it (the loop then unrolls as before).
+template <int kRows, typename Group, typename Fold>
+__attribute__((always_inline)) inline void TileDots(const float* x, int64_t x_stride, const float* w, Group group,
+                                                    Fold&& fold) {
+#pragma GCC unroll 4
+  for (int pass = 0; pass < 4; pass += kTileVectors) {
+    F acc[kRows][kTileVectors];
+    for (int r = 0; r < kRows; ++r)
+      for (int k = 0; k < kTileVectors; ++k) acc[r][k] = Zero();
+    for (int64_t i = 0; i < group; ++i) {
+      F wi[kTileVectors];
+      // One load for all rows (on AVX2 g++ folded a load into each row's multiply-add).
+      for (int k = 0; k < kTileVectors; ++k) wi[k] = Pinned(Load(w + 16 * (4 * i + pass + k)));
+      for (int r = 0; r < kRows; ++r) {
+        const F xi = Set(x[r * x_stride + i]);
+        for (int k = 0; k < kTileVectors; ++k) acc[r][k] = MulAdd(wi[k], xi, acc[r][k]);
+      }
+    }
+    fold(acc, pass);
+  }
+}
+
+// tile(std::integral_constant<int, left>{}) for the rows left after the row
+// tiles (0 < left < kTileRows; nothing for 0): a tile's rows are a template
+// argument, so that its sums stay in registers.
+template <int kRows = kTileRows - 1, typename Tile>
+inline void ForRowsLeft(int64_t left, Tile&& tile) {
+  if constexpr (kRows > 0) {
+    if (left == kRows) return tile(std::integral_constant<int, kRows>{});
+    ForRowsLeft<kRows - 1>(left, tile);
+  }
+}
 
 }  // namespace jaxinfer::vec16
 #endif  // JAXINFER_VEC16
