@@ -13,7 +13,9 @@ draft head in checkpoints/, or --eagle-head), "draft_model" (the
 draft is the target itself unless --draft-model says otherwise: with a
 greedy draft equal to the target every draft is accepted, so it measures the
 machinery's overhead at the best possible acceptance) and "draft_model:Q"
-(the draft quantized with Q, e.g. int4: cheaper, slightly less accurate).
+(the draft quantized with Q, e.g. int4: cheaper, slightly less accurate;
+it rounds float weights, so the target needs --quantization none, as a
+GGUF target on CPU otherwise keeps its own blocks).
 Each drafts at every step it may; "M+adaptive" (e.g. eagle+adaptive) is
 method M with the engine's default adaptive rule, drafting only while that
 measures faster than plain decoding (jaxinfer/engine/spec/policy.py).
@@ -26,7 +28,8 @@ Per draft position j it also reports how often draft j was accepted, of
 the verifications that offered a j-th draft.
 
 Run: python scripts/bench_speculative.py [--batch-sizes 1,8,32] [--num-speculative-tokens 4] [--temperature 0]
-     [--output-len 64] [--methods plain,ngram,eagle,draft_model,draft_model:int4] [--json bench_speculative.json]
+     [--output-len 64] [--methods plain,ngram,eagle,draft_model] [--json bench_speculative.json]
+     python scripts/bench_speculative.py --quantization none --methods plain,draft_model,draft_model:int4
 """
 
 from __future__ import annotations
@@ -170,7 +173,9 @@ def main():
     parser.add_argument("--batch1-prompts", type=int, default=1, help="at batch 1, run this many prompts one "
                         "after another (acceptance over one prompt is noisy)")
     parser.add_argument("--kinds", default="code,summarize,open")
-    parser.add_argument("--methods", default="plain,ngram,eagle,draft_model,draft_model:int4")
+    parser.add_argument("--methods", default="plain,ngram,eagle,draft_model")
+    parser.add_argument("--quantization", default="auto", help="the target's weights ('none': float, which "
+                        "draft_model:Q needs)")
     parser.add_argument("--eagle-head", default=None, help="EAGLE head file (default: the one in checkpoints/)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=64)
@@ -194,7 +199,8 @@ def main():
     # shrink the target's), so all engines share compiled programs.
     num_blocks = max_batch * -(-(320 + args.output_len + k) // block_size) + 1
     options = dict(dtype=args.dtype, progress=False, max_model_len=max_model_len, block_size=block_size,
-                   max_num_seqs=max_batch, num_kv_blocks=num_blocks)
+                   max_num_seqs=max_batch, num_kv_blocks=num_blocks,
+                   quantization=None if args.quantization == "none" else args.quantization)
     disable = ({} if args.disable_by_batch_size == "default" else
                {"disable_by_batch_size": None if args.disable_by_batch_size == "none" else int(args.disable_by_batch_size)})
 

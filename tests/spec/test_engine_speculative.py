@@ -441,6 +441,20 @@ def test_bad_speculative_config(speculative, match):
         EngineConfig(max_model_len=64, speculative=speculative)
 
 
+def test_a_quantized_copy_of_an_already_quantized_target_is_refused(tiny_dir):
+    """draft_model with no model and a quantization rounds the target's float
+    weights; a target loaded quantized gets an error naming both ways out."""
+    from jaxinfer import load
+    from jaxinfer.engine.spec.config import SpeculativeConfig
+    from jaxinfer.engine.spec.draft_model import load_draft_model
+
+    spec = SpeculativeConfig.parse(dict(method="draft_model", num_speculative_tokens=2, quantization="int4"))
+    with pytest.raises(ValueError, match="holds its weights as 'int8'.*quantization=None.*speculative"):
+        load_draft_model(spec, load(tiny_dir, progress=False, quantization="int8"))
+    draft = load_draft_model(spec, load(tiny_dir, progress=False))
+    assert draft.params["layers"]["wq"].scheme == "int4"
+
+
 def test_disable_by_batch_size_default_and_none():
     from jaxinfer.engine.spec.config import DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 

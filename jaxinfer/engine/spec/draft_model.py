@@ -55,6 +55,13 @@ def load_draft_model(spec: SpeculativeConfig, target: Model, progress: bool = Tr
             return target
         if spec.quantization == "gguf":
             raise ValueError('speculative: quantization="gguf" needs speculative["model"] = the .gguf path')
+        if target.quantization is not None:
+            # Quantizing in memory starts from float weights; a second rounding of
+            # the target's own codes is not a draft anyone asked for.
+            raise ValueError(
+                f"speculative: quantization={spec.quantization!r} makes the draft a quantized copy of the "
+                f"target's float weights, but the target holds its weights as {target.quantization!r}; load the "
+                'target with quantization=None, or give speculative["model"] a checkpoint to draft with')
         from jaxinfer.quant.params import quantize_params
 
         params = quantize_params(target.params, spec.quantization)
