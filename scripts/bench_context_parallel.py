@@ -17,12 +17,16 @@ Without --model it builds the tiny random llama_ring checkpoint of the tests.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
+import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ from a plain checkout
 
 
 def main() -> None:
