@@ -98,9 +98,7 @@ class GGUFFile:
         return values
 
     def _string(self) -> str:
-        (length,) = self._unpack("<Q")
-        start, self._offset = self._offset, self._offset + length
-        return bytes(self._buffer[start:self._offset]).decode("utf-8")
+        return self._strings(1)[0]
 
     def _value(self, kind: V):
         if kind == V.STRING:
@@ -119,11 +117,11 @@ class GGUFFile:
         return [self._value(element) for _ in range(length)]
 
     def _strings(self, count: int) -> list[str]:
-        """`count` strings one after another (a vocabulary, its merges): their
-        spans first, then one comprehension decoding the mapping's bytes. A
-        tokenizer's ~100,000 strings are most of a header; read one at a
-        time through _string (calls and a struct format per string) they
-        took twice as long."""
+        """`count` strings one after another (each a u64 byte count, then its
+        UTF-8 bytes; a vocabulary, its merges): their spans first, then one
+        comprehension decoding the mapping's bytes. A tokenizer's ~100,000
+        strings are most of a header; read one at a time (calls and a
+        struct format per string) they took twice as long."""
         mapping, offset, length_at = self._mmap, self._offset, _LENGTH.unpack_from
         spans = []
         for _ in range(count):
