@@ -96,7 +96,7 @@ class CpuBackend(XlaBackend):
     def keeps_k_quants_as_stored(self) -> bool:
         """K-quants at the file's size, multiplied by native/kquant_matmul.cc
         (AVX-512, or AVX2 with FMA and F16C) and, with int8 activations,
-        q8_matmul.cc's K-quant handler (AVX512-VNNI; elsewhere the exact
+        q8_matmul.cc's K-quant handler (AVX512-VNNI or AVX2; elsewhere the exact
         kernel on the rounded activations)."""
         return self.native and cpu_runs_vec16()
 

@@ -39,7 +39,7 @@ def available() -> bool:
 
 
 def q8_available() -> bool:
-    """Whether the int8-activation kernel is built and registered (AVX512-VNNI only)."""
+    """Whether the int8-activation kernel is built and registered (AVX512-VNNI, or AVX2 with FMA and F16C)."""
     return native_ffi_target(str(Q8_SOURCE), "JaxinferQ8KQuantMatmuls", Q8_TARGET_NAME)
 
 

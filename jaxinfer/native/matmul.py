@@ -9,8 +9,9 @@ native_library):
                     (quantized_expert_matmuls)
   q8_matmul.cc      activations quantized to int8 blocks on the fly (weights
                     with activation_block, quant/tensor.py), any number of
-                    rows: int8 dots (AVX512-VNNI; without it the build fails
-                    and quant/linear.py multiplies the same numbers in XLA)
+                    rows: int8 dots (AVX512-VNNI, or AVX2 with FMA and F16C;
+                    without them the build fails and quant/linear.py
+                    multiplies the same numbers in XLA)
 
 Why native code: XLA does not fuse a convert into a dot, so the XLA path
 (quant/linear.py) writes a float32 copy of each weight on every call, which

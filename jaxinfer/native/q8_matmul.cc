@@ -4,11 +4,13 @@
 // through the XLA FFI (native/matmul.py builds and registers it).
 //
 // Why: past a few rows a float32 matmul is compute-bound on the dev VM's two
-// cores (16 multiply-adds per AVX-512 FMA). An int8 x uint8 dot (AVX512-VNNI
-// vpdpbusd) does 64 per instruction and needs no float copy of the weight,
-// so the whole step runs on the codes as stored. Needs AVX512-VNNI at build
-// time; elsewhere the build fails on purpose and quant/linear.py runs the
-// same numbers in XLA.
+// cores (16 multiply-adds per AVX-512 FMA, 8 per AVX2 one). An int8 x uint8
+// dot does 64 per instruction (AVX512-VNNI vpdpbusd; AVX2's vpmaddubsw and
+// vpmaddwd: 32 in two) and needs no float copy of the weight, so the whole
+// step runs on the codes as stored. Built where vec16.h is (AVX-512 with BW
+// and VNNI, or AVX2 with FMA and F16C); elsewhere (AVX-512 without VNNI
+// among them) the build fails on purpose and quant/linear.py runs the same
+// numbers in XLA.
 //
 // Arguments as matmul.cc (data [L, in(/2), out] int8 or packed uint8
 // int4, scales / offsets [L, in / group, out], layer), plus out % 64 == 0,
@@ -23,20 +25,24 @@
 //                   + offset[g, o] * d[r, a] * (sum_{i in a} xq[r, i]),        g = a's weight group
 //
 // i.e. exactly x' @ dequantized(w) for x' = xq * d, up to float rounding
-// order: the integer sums are exact. quant/linear.py's XLA path computes
-// that x' and multiplies it in float, the reference the tests hold this to.
+// order: the integer sums are exact (on both instruction sets, so both give
+// the same numbers). quant/linear.py's XLA path computes that x' and
+// multiplies it in float, the reference the tests hold this to.
 //
-// Layout trick: vpdpbusd multiplies 4 adjacent bytes of each 32-bit lane
+// Layout trick: the dot multiplies 4 adjacent bytes of each 32-bit lane
 // and adds them into the lane. Four weight rows of 64 columns, transposed
 // byte-wise in registers (unpack 8 then 16 bit), give 4 vectors whose lanes
-// each hold 4 consecutive input rows of one column, so one instruction
-// advances 16 columns by 4 inputs against an activation dword broadcast to
-// every lane, and the sums never need a horizontal add. The transposition
-// leaves column 16 * l + 4 * k + i in lane 4 * l + i of vector k (l the
-// 128-bit lane); scales and results go through the matching 4 x 4 shuffle
-// of 128-bit lanes (Transpose4x4Lanes), which is its own inverse.
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
-#error "the Q8-activation matmul needs AVX512-VNNI (-march=native on a CPU without it); XLA runs it instead"
+// each hold 4 consecutive input rows of one column, so one dot advances 16
+// columns by 4 inputs against an activation dword broadcast to every lane,
+// and the sums never need a horizontal add. The transposition leaves column
+// 16 * l + 4 * k + i in lane 4 * l + i of vector k (l the 128-bit lane:
+// AVX2's two registers unpack within the same lanes); scales and results go
+// through the matching 4 x 4 shuffle of 128-bit lanes (TransposeLanes),
+// which is its own inverse.
+#include "jaxinfer/native/vec16.h"
+
+#if defined(__AVX512F__) ? !(defined(__AVX512BW__) && defined(__AVX512VNNI__)) : !JAXINFER_VEC16
+#error "the Q8-activation matmul needs AVX512-VNNI, or AVX2 with FMA and F16C (-march=native on a CPU without them); XLA runs it instead"
 #endif
 
 #include <immintrin.h>
@@ -54,8 +60,107 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+namespace vec = jaxinfer::vec16;
+using vec::F;
+using vec::I;
+
+// The byte-wise operations of the int8 dots on vec16's 64 bytes (I): one
+// AVX-512 register, or two AVX2 registers that unpack and shift within the
+// same 128-bit lanes, so a transposed tile holds the same columns in the
+// same lanes on both.
+#if defined(__AVX512F__)
+// vpdpbusd multiplies unsigned by signed bytes exactly, whatever they hold:
+// int8 weights go in as codes + 128 (PrepareWeights), the bias taken back off.
+constexpr bool kInt8ByMagnitude = false;
+inline I UnpackLow8(I a, I b) { return _mm512_unpacklo_epi8(a, b); }
+inline I UnpackHigh8(I a, I b) { return _mm512_unpackhi_epi8(a, b); }
+inline I UnpackLow16(I a, I b) { return _mm512_unpacklo_epi16(a, b); }
+inline I UnpackHigh16(I a, I b) { return _mm512_unpackhi_epi16(a, b); }
+inline I SetBytes(uint8_t v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+// Each 16-bit half word shifted (bits below 16).
+inline I ShiftRight16(I v, int bits) { return _mm512_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
+inline I ShiftLeft16(I v, int bits) { return _mm512_sll_epi16(v, _mm_cvtsi32_si128(bits)); }
+// sum + in each 32-bit lane the dot of u's 4 bytes (unsigned) with s's (signed).
+inline I DotBytes(I sum, I u, I s) { return _mm512_dpbusd_epi32(sum, u, s); }
+// The same for two pairs (u0, s0), (u1, s1), where each u byte is at most 64 (codes of up to 6 bits).
+inline I DotBytes2(I sum, I u0, I s0, I u1, I s1) { return DotBytes(DotBytes(sum, u0, s0), u1, s1); }
+// The 16 lanes' low bytes (each lane's value in [-128, 127]).
+inline __m128i LowBytes(I v) { return _mm512_cvtepi32_epi8(v); }
+// Quarters (128-bit lanes) a[i0], a[i1], b[i2], b[i3], kSelect = i0 | i1 << 2 | i2 << 4 | i3 << 6.
+template <int kSelect>
+inline F ShuffleQuarters(F a, F b) { return _mm512_shuffle_f32x4(a, b, kSelect); }
+// An int8 weight vector as the dots take it (kInt8Vectors vectors), and its dot.
+constexpr int kInt8Vectors = 1;
+inline void PrepareInt8(I codes, I* w) { w[0] = _mm512_xor_si512(codes, SetBytes(0x80)); }
+inline I DotInt8(I sum, const I* w, I x) { return DotBytes(sum, w[0], x); }
+#else
+// vpmaddubsw adds two products into a saturating int16: exact while
+// |u0 * s0 + u1 * s1| < 2^15, so the unsigned side must stay at most 128
+// (s in [-127, 127]). Codes of up to 7 bits are; int8 weights go in as |w|
+// with the activations taking w's signs (vpsignb).
+constexpr bool kInt8ByMagnitude = true;
+inline I UnpackLow8(I a, I b) { return {_mm256_unpacklo_epi8(a.lo, b.lo), _mm256_unpacklo_epi8(a.hi, b.hi)}; }
+inline I UnpackHigh8(I a, I b) { return {_mm256_unpackhi_epi8(a.lo, b.lo), _mm256_unpackhi_epi8(a.hi, b.hi)}; }
+inline I UnpackLow16(I a, I b) { return {_mm256_unpacklo_epi16(a.lo, b.lo), _mm256_unpacklo_epi16(a.hi, b.hi)}; }
+inline I UnpackHigh16(I a, I b) { return {_mm256_unpackhi_epi16(a.lo, b.lo), _mm256_unpackhi_epi16(a.hi, b.hi)}; }
+inline I SetBytes(uint8_t v) {
+  const __m256i bytes = _mm256_set1_epi8(static_cast<char>(v));
+  return {bytes, bytes};
+}
+inline I ShiftRight16(I v, int bits) {
+  const __m128i count = _mm_cvtsi32_si128(bits);
+  return {_mm256_srl_epi16(v.lo, count), _mm256_srl_epi16(v.hi, count)};
+}
+inline I ShiftLeft16(I v, int bits) {
+  const __m128i count = _mm_cvtsi32_si128(bits);
+  return {_mm256_sll_epi16(v.lo, count), _mm256_sll_epi16(v.hi, count)};
+}
+inline I AbsBytes(I v) { return {_mm256_abs_epi8(v.lo), _mm256_abs_epi8(v.hi)}; }
+// s negated where w's byte is negative, 0 where it is 0.
+inline I SignBytes(I s, I w) { return {_mm256_sign_epi8(s.lo, w.lo), _mm256_sign_epi8(s.hi, w.hi)}; }
+inline I DotBytes(I sum, I u, I s) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto half = [&](__m256i sum, __m256i u, __m256i s) {
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+  };
+  return {half(sum.lo, u.lo, s.lo), half(sum.hi, u.hi, s.hi)};
+}
+// Two dots' products added in int16 before widening: exact while |4 products| < 2^15, so for u
+// at most 64 (codes of up to 6 bits, s in [-127, 127]).
+inline I DotBytes2(I sum, I u0, I s0, I u1, I s1) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto half = [&](__m256i sum, __m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+  };
+  return {half(sum.lo, u0.lo, s0.lo, u1.lo, s1.lo), half(sum.hi, u0.hi, s0.hi, u1.hi, s1.hi)};
+}
+inline __m128i LowBytes(I v) {
+  // packs keep values in [-128, 127]; the 256-bit pack interleaves the halves' 128-bit lanes.
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(v.lo, v.hi), 0xD8);
+  return _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+}
+template <int kSelect>
+inline F ShuffleQuarters(F a, F b) {
+  // permute2f128's selector 0-3 names the quarters of (first, second) in order.
+  constexpr int i0 = kSelect & 3, i1 = kSelect >> 2 & 3, i2 = kSelect >> 4 & 3, i3 = kSelect >> 6 & 3;
+  return {_mm256_permute2f128_ps(a.lo, a.hi, i0 | i1 << 4), _mm256_permute2f128_ps(b.lo, b.hi, i2 | i3 << 4)};
+}
+constexpr int kInt8Vectors = 2;  // |w|, then w for its signs
+inline void PrepareInt8(I codes, I* w) { w[0] = AbsBytes(codes), w[1] = codes; }
+inline I DotInt8(I sum, const I* w, I x) { return DotBytes(sum, w[0], SignBytes(x, w[1])); }
+#endif
+// What int8 weights' dots owe back per activation code sum (the + 128 above).
+constexpr int32_t kInt8Bias = kInt8ByMagnitude ? 0 : 128;
+
+// Rows a task's dots take at once: independent dot chains for the core (a
+// dot's latency is several cycles), where the registers hold two rows' 64
+// columns of sums (AVX2's 16 registers hold one row's 8 beside its operands).
+constexpr int kRowsTogether = vec::kVecRegisters == 32 ? 2 : 1;
+
 constexpr int64_t kColumns = 64;     // output columns of a tile: 4 vectors of 16
 constexpr int64_t kRowBlock = 16;    // rows per column task, sharing the weights' transposition
+
 // Few rows of a weight whose byte rows span a page or more (the head: 49,152
 // bytes): tasks walk the input blocks' rows front to back (BlockRangeTask),
 // kBlockRanges ranges of blocks, whose partial sums add up at the end, times
@@ -106,28 +211,27 @@ void QuantizeActivations(const float* x, Problem& p) {
   p.code_sums.resize(p.rows * blocks);
   // int4: within each 8 inputs, the even ones first (the weight's low nibbles).
   const __m128i nibble_order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-  const __m512 lowest = _mm512_set1_ps(-127.0f), highest = _mm512_set1_ps(127.0f);
+  const F lowest = vec::Set(-127.0f), highest = vec::Set(127.0f);
   for (int64_t r = 0; r < p.rows; ++r) {
     for (int64_t a = 0; a < blocks; ++a) {
       const float* xs = x + r * p.in + a * p.block;
       const int64_t vectors = p.block / 16;
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t v = 0; v < vectors; ++v) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xs + 16 * v)));
-      float d = _mm512_reduce_max_ps(amax) / 127.0f;
+      F amax = vec::Zero();
+      for (int64_t v = 0; v < vectors; ++v) amax = vec::Max(amax, vec::Abs(vec::LoadUnaligned(xs + 16 * v)));
+      float d = vec::MaxOf(amax) / 127.0f;
       if (!(d > 0.0f)) d = 1.0f;
       int8_t* codes = p.codes.data() + r * p.in + a * p.block;
-      __m512i sum = _mm512_setzero_si512();
+      I sum = vec::SetInts(0);
       for (int64_t v = 0; v < vectors; ++v) {
         // x / d rounded half to even, as jnp.round(x / scale) does.
-        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xs + 16 * v), _mm512_set1_ps(d)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, lowest), highest));
-        sum = _mm512_add_epi32(sum, qi);
-        __m128i bytes = _mm512_cvtepi32_epi8(qi);
+        const F q = vec::RoundNearest(vec::Div(vec::LoadUnaligned(xs + 16 * v), vec::Set(d)));
+        const I qi = vec::ToInts(vec::Min(vec::Max(q, lowest), highest));
+        sum = vec::AddInts(sum, qi);
+        __m128i bytes = LowBytes(qi);
         if (p.int4) bytes = _mm_shuffle_epi8(bytes, nibble_order);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * v), bytes);
       }
-      const int32_t code_sum = _mm512_reduce_add_epi32(sum);
+      const int32_t code_sum = vec::SumInts(sum);
       p.x_scales[r * blocks + a] = d;
       p.x_sums[r * blocks + a] = d * static_cast<float>(code_sum);
       p.code_sums[r * blocks + a] = code_sum;
@@ -136,56 +240,55 @@ void QuantizeActivations(const float* x, Problem& p) {
 }
 
 // Vectors v[0..3] as a 4 x 4 matrix of 128-bit lanes, transposed.
-template <typename V, typename Shuffle>
-void Transpose4x4Lanes(V v[4], Shuffle shuffle) {
-  const V u0 = shuffle(v[0], v[1], 0x44), u1 = shuffle(v[0], v[1], 0xEE);
-  const V u2 = shuffle(v[2], v[3], 0x44), u3 = shuffle(v[2], v[3], 0xEE);
-  v[0] = shuffle(u0, u2, 0x88);
-  v[1] = shuffle(u0, u2, 0xDD);
-  v[2] = shuffle(u1, u3, 0x88);
-  v[3] = shuffle(u1, u3, 0xDD);
-}
-
-void TransposeLanes(__m512 v[4]) {
-  Transpose4x4Lanes(v, [](__m512 a, __m512 b, int imm) {
-    switch (imm) {  // the immediate must be a constant
-      case 0x44: return _mm512_shuffle_f32x4(a, b, 0x44);
-      case 0xEE: return _mm512_shuffle_f32x4(a, b, 0xEE);
-      case 0x88: return _mm512_shuffle_f32x4(a, b, 0x88);
-      default: return _mm512_shuffle_f32x4(a, b, 0xDD);
-    }
-  });
+void TransposeLanes(F v[4]) {
+  const F u0 = ShuffleQuarters<0x44>(v[0], v[1]), u1 = ShuffleQuarters<0xEE>(v[0], v[1]);
+  const F u2 = ShuffleQuarters<0x44>(v[2], v[3]), u3 = ShuffleQuarters<0xEE>(v[2], v[3]);
+  v[0] = ShuffleQuarters<0x88>(u0, u2);
+  v[1] = ShuffleQuarters<0xDD>(u0, u2);
+  v[2] = ShuffleQuarters<0x88>(u1, u3);
+  v[3] = ShuffleQuarters<0xDD>(u1, u3);
 }
 
 // Four weight rows of 64 byte columns -> t[k]: lane 4 * l + i holds the
 // rows' 4 bytes of column 16 * l + 4 * k + i.
-void TransposeRows(const uint8_t* row, int64_t stride, __m512i t[4]) {
-  const __m512i r0 = _mm512_loadu_si512(row), r1 = _mm512_loadu_si512(row + stride);
-  const __m512i r2 = _mm512_loadu_si512(row + 2 * stride), r3 = _mm512_loadu_si512(row + 3 * stride);
-  const __m512i a0 = _mm512_unpacklo_epi8(r0, r1), a1 = _mm512_unpackhi_epi8(r0, r1);
-  const __m512i b0 = _mm512_unpacklo_epi8(r2, r3), b1 = _mm512_unpackhi_epi8(r2, r3);
-  t[0] = _mm512_unpacklo_epi16(a0, b0);
-  t[1] = _mm512_unpackhi_epi16(a0, b0);
-  t[2] = _mm512_unpacklo_epi16(a1, b1);
-  t[3] = _mm512_unpackhi_epi16(a1, b1);
+void TransposeRows(const uint8_t* row, int64_t stride, I t[4]) {
+  const I r0 = vec::LoadInts(row), r1 = vec::LoadInts(row + stride);
+  const I r2 = vec::LoadInts(row + 2 * stride), r3 = vec::LoadInts(row + 3 * stride);
+  const I a0 = UnpackLow8(r0, r1), a1 = UnpackHigh8(r0, r1);
+  const I b0 = UnpackLow8(r2, r3), b1 = UnpackHigh8(r2, r3);
+  t[0] = UnpackLow16(a0, b0);
+  t[1] = UnpackHigh16(a0, b0);
+  t[2] = UnpackLow16(a1, b1);
+  t[3] = UnpackHigh16(a1, b1);
 }
 
-// The weights of one activation block and 64 columns, transposed for
-// vpdpbusd. int4: per 8 inputs (4 byte rows), vector 8 * quad + 2 * k (+1)
-// holds the low (high) nibbles; int8: per 4 inputs, vector 4 * quad + k
-// holds the codes + 128 (vpdpbusd takes them unsigned).
-template <bool kInt4>
-void PrepareWeights(const uint8_t* first, int64_t stride, int64_t quads, __m512i* w) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+// The bytes of the weight vectors the dots take: int4 codes (per 4 byte
+// rows, low and high nibbles against the even and odd inputs), int8 codes
+// (PrepareInt8), or K-quant codes (unsigned, at most 6 bits, as they are).
+enum class Codes { kInt4, kInt8, kKQuant };
+
+// Prepared vectors per byte row quad of 4 inputs' (int4: 8 inputs') codes and 64 columns.
+template <Codes kCodes>
+constexpr int kQuadVectors = kCodes == Codes::kInt4 ? 8 : kCodes == Codes::kInt8 ? 4 * kInt8Vectors : 4;
+// A block's (at most 32 inputs: 8 quads of int8 codes, 4 of int4).
+constexpr int kPreparedVectors = 8 * kQuadVectors<Codes::kInt8>;
+
+// The weights of one activation block and 64 columns, transposed for the
+// dots: per 4 byte rows, vectors kQuadVectors * quad + ..., for k = 0..3:
+// int4 2 * k (low nibbles), 2 * k + 1 (high); int8 PrepareInt8's at kInt8Vectors * k.
+template <Codes kCodes>
+void PrepareWeights(const uint8_t* first, int64_t stride, int64_t quads, I* w) {
+  const I nibble = SetBytes(0x0F);
   for (int64_t quad = 0; quad < quads; ++quad) {
-    __m512i t[4];
+    I t[4];
     TransposeRows(first + 4 * quad * stride, stride, t);
+    I* out = w + kQuadVectors<kCodes> * quad;
     for (int k = 0; k < 4; ++k) {
-      if constexpr (kInt4) {
-        w[8 * quad + 2 * k] = _mm512_and_si512(t[k], nibble);
-        w[8 * quad + 2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(t[k], 4), nibble);
+      if constexpr (kCodes == Codes::kInt4) {
+        out[2 * k] = vec::And(t[k], nibble);
+        out[2 * k + 1] = vec::And(ShiftRight16(t[k], 4), nibble);
       } else {
-        w[4 * quad + k] = _mm512_xor_si512(t[k], sign);
+        PrepareInt8(t[k], out + kInt8Vectors * k);
       }
     }
   }
@@ -193,79 +296,116 @@ void PrepareWeights(const uint8_t* first, int64_t stride, int64_t quads, __m512i
 
 // Integer dots of kRows rows' block codes (x[r], as dwords) with prepared
 // weights: sum[r][k] for the 64 columns. Several rows at once give the
-// core independent vpdpbusd chains (its latency is several cycles).
-template <bool kInt4, int kRows>
-void BlockDots(const int32_t* const* x, const __m512i* w, int64_t quads, __m512i sum[][4]) {
+// core independent dot chains (kRowsTogether).
+template <Codes kCodes, int kRows>
+void BlockDots(const int32_t* const* x, const I* w, int64_t quads, I sum[][4]) {
   for (int r = 0; r < kRows; ++r)
-    for (int k = 0; k < 4; ++k) sum[r][k] = _mm512_setzero_si512();
+    for (int k = 0; k < 4; ++k) sum[r][k] = vec::SetInts(0);
   for (int64_t quad = 0; quad < quads; ++quad) {
-    if constexpr (kInt4) {
-      for (int r = 0; r < kRows; ++r) {
-        const __m512i even = _mm512_set1_epi32(x[r][2 * quad]), odd = _mm512_set1_epi32(x[r][2 * quad + 1]);
-        for (int k = 0; k < 4; ++k) {
-          sum[r][k] = _mm512_dpbusd_epi32(sum[r][k], w[8 * quad + 2 * k], even);
-          sum[r][k] = _mm512_dpbusd_epi32(sum[r][k], w[8 * quad + 2 * k + 1], odd);
-        }
+    const I* wq = w + kQuadVectors<kCodes> * quad;
+    for (int r = 0; r < kRows; ++r) {
+      if constexpr (kCodes == Codes::kInt4) {
+        const I even = vec::SetInts(x[r][2 * quad]), odd = vec::SetInts(x[r][2 * quad + 1]);
+        for (int k = 0; k < 4; ++k) sum[r][k] = DotBytes2(sum[r][k], wq[2 * k], even, wq[2 * k + 1], odd);
+      } else if constexpr (kCodes == Codes::kInt8) {
+        const I four = vec::SetInts(x[r][quad]);
+        for (int k = 0; k < 4; ++k) sum[r][k] = DotInt8(sum[r][k], wq + kInt8Vectors * k, four);
+      } else {  // two quads at a time (quads is even: groups of 16 or 32 inputs)
+        const I four = vec::SetInts(x[r][quad]), next = vec::SetInts(x[r][quad + 1]);
+        for (int k = 0; k < 4; ++k) sum[r][k] = DotBytes2(sum[r][k], wq[k], four, wq[4 + k], next);
+      }
+    }
+    if constexpr (kCodes == Codes::kKQuant) ++quad;
+  }
+}
+
+// BlockDots of one row from the weight's byte rows (first, stride) as
+// PrepareWeights reads them, the prepared vectors kept in registers: with
+// one row each is used once, so the buffer that rows share is skipped.
+template <Codes kCodes>
+void RowDotsFromCodes(const int32_t* x, const uint8_t* first, int64_t stride, int64_t quads, I sum[4]) {
+  const I nibble = SetBytes(0x0F);
+  for (int k = 0; k < 4; ++k) sum[k] = vec::SetInts(0);
+  for (int64_t quad = 0; quad < quads; ++quad) {
+    I t[4];
+    TransposeRows(first + 4 * quad * stride, stride, t);
+    if constexpr (kCodes == Codes::kInt4) {
+      const I even = vec::SetInts(x[2 * quad]), odd = vec::SetInts(x[2 * quad + 1]);
+      for (int k = 0; k < 4; ++k) {
+        sum[k] = DotBytes2(sum[k], vec::And(t[k], nibble), even, vec::And(ShiftRight16(t[k], 4), nibble), odd);
       }
     } else {
-      for (int r = 0; r < kRows; ++r) {
-        const __m512i four = _mm512_set1_epi32(x[r][quad]);
-        for (int k = 0; k < 4; ++k) sum[r][k] = _mm512_dpbusd_epi32(sum[r][k], w[4 * quad + k], four);
+      const I four = vec::SetInts(x[quad]);
+      for (int k = 0; k < 4; ++k) {
+        I w[kInt8Vectors];
+        PrepareInt8(t[k], w);
+        sum[k] = DotInt8(sum[k], w, four);
       }
+    }
+  }
+}
+
+// body(r, std::integral_constant<int, n>) for each run of n rows from r
+// that the dots take together: kRowsTogether, and one for the last row left.
+template <typename Body>
+__attribute__((always_inline)) inline void ForRowGroups(int64_t rows, Body&& body) {
+  for (int64_t r = 0; r < rows; r += kRowsTogether) {
+    if (rows - r >= kRowsTogether) {
+      body(r, std::integral_constant<int, kRowsTogether>{});
+    } else {
+      body(r, std::integral_constant<int, 1>{});
     }
   }
 }
 
 // 16 scales (or offsets) from `base` at element `at`, as float32.
-__m512 LoadScales(const Problem& p, const void* base, int64_t at) {
-  if (p.half) {
-    const uint16_t* half = static_cast<const uint16_t*>(base) + at;
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half)));
-  }
-  return _mm512_loadu_ps(static_cast<const float*>(base) + at);
+F LoadScales(const Problem& p, const void* base, int64_t at) {
+  if (p.half) return vec::FromHalves(static_cast<const uint16_t*>(base) + at);
+  return vec::LoadUnaligned(static_cast<const float*>(base) + at);
 }
 
 // Adds activation block a's products for rows [row0, row0 + rows) into
 // acc + r * stride (64 floats per row, in the tile's lane order: see the
 // top), for the 64 columns whose weights are prepared in w.
-template <bool kInt4>
-void AccumulateBlock(const Problem& p, int64_t a, int64_t col, const __m512i* w, int64_t row0, int64_t rows,
-                     float* acc, int64_t stride) {
+// One row (rows == 1) multiplies the byte rows at `first` (RowDotsFromCodes), more
+// the prepared w.
+template <Codes kCodes>
+void AccumulateBlock(const Problem& p, int64_t a, int64_t col, const uint8_t* first, const I* w, int64_t row0,
+                     int64_t rows, float* acc, int64_t stride) {
   const int64_t blocks = p.in / p.block;
-  const int64_t quads = (kInt4 ? p.block / 2 : p.block) / 4;
+  const int64_t quads = (kCodes == Codes::kInt4 ? p.block / 2 : p.block) / 4;
   const int64_t g = a * p.block / p.group;
-  __m512 scale[4], offset[4];
+  F scale[4], offset[4];
   for (int k = 0; k < 4; ++k) {
     scale[k] = LoadScales(p, p.scales, g * p.out_features + col + 16 * k);
-    offset[k] = p.offsets ? LoadScales(p, p.offsets, g * p.out_features + col + 16 * k) : _mm512_setzero_ps();
+    offset[k] = p.offsets ? LoadScales(p, p.offsets, g * p.out_features + col + 16 * k) : vec::Zero();
   }
   TransposeLanes(scale);
   TransposeLanes(offset);
-  for (int64_t r = 0; r < rows; r += 2) {
-    const int pair = r + 1 < rows ? 2 : 1;
-    const int32_t* x[2];
-    for (int i = 0; i < pair; ++i)
-      x[i] = reinterpret_cast<const int32_t*>(p.codes.data() + (row0 + r + i) * p.in + a * p.block);
-    __m512i sum[2][4];
-    if (pair == 2) {
-      BlockDots<kInt4, 2>(x, w, quads, sum);
+  ForRowGroups(rows, [&](int64_t r0, auto together) {
+    constexpr int kRows = decltype(together)::value;
+    const int32_t* x[kRows];
+    for (int i = 0; i < kRows; ++i)
+      x[i] = reinterpret_cast<const int32_t*>(p.codes.data() + (row0 + r0 + i) * p.in + a * p.block);
+    I sum[kRows][4];
+    if (rows == 1) {
+      RowDotsFromCodes<kCodes>(x[0], first, p.out_features, quads, sum[0]);
     } else {
-      BlockDots<kInt4, 1>(x, w, quads, sum);
+      BlockDots<kCodes, kRows>(x, w, quads, sum);
     }
-    for (int i = 0; i < pair; ++i) {
-      const int64_t at = (row0 + r + i) * blocks + a;
-      const __m512 d = _mm512_set1_ps(p.x_scales[at]), x_sum = _mm512_set1_ps(p.x_sums[at]);
-      // int8 codes went in as q + 128: take 128 * sum(xq) back off.
-      const __m512i bias = _mm512_set1_epi32(kInt4 ? 0 : 128 * p.code_sums[at]);
-      float* out = acc + (r + i) * stride;
+    for (int i = 0; i < kRows; ++i) {
+      const int64_t at = (row0 + r0 + i) * blocks + a;
+      const F d = vec::Set(p.x_scales[at]), x_sum = vec::Set(p.x_sums[at]);
+      const I bias = vec::SetInts(kCodes == Codes::kInt8 ? kInt8Bias * p.code_sums[at] : 0);
+      float* out = acc + (r0 + i) * stride;
       for (int k = 0; k < 4; ++k) {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[i][k], bias));
-        __m512 v = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale[k], d), _mm512_loadu_ps(out + 16 * k));
-        if (p.offsets) v = _mm512_fmadd_ps(offset[k], x_sum, v);
-        _mm512_storeu_ps(out + 16 * k, v);
+        const F dot = vec::ToFloat(vec::SubInts(sum[i][k], bias));
+        F v = vec::MulAdd(dot, vec::Mul(scale[k], d), vec::LoadUnaligned(out + 16 * k));
+        if (p.offsets) v = vec::MulAdd(offset[k], x_sum, v);
+        vec::StoreUnaligned(out + 16 * k, v);
       }
     }
-  }
+  });
 }
 
 // Asks for the cache lines ColumnTask reads for block a of the 64 columns at
@@ -292,23 +432,23 @@ __attribute__((always_inline)) inline void Prefetch(const Problem& p, int64_t a,
 
 // The column split (every weight but a few rows of a wide one): one task is
 // rows [row0, row0 + rows) x columns [col, col + 64) over every input block.
-template <bool kInt4>
+template <Codes kCodes>
 void ColumnTask(const Problem& p, int64_t row0, int64_t rows, int64_t col) {
-  const int64_t byte_rows = kInt4 ? p.block / 2 : p.block;
-  alignas(64) __m512i w[32];
+  const int64_t byte_rows = kCodes == Codes::kInt4 ? p.block / 2 : p.block;
+  alignas(64) I w[kPreparedVectors];
   alignas(64) float acc[kRowBlock * kColumns] = {};
   const int64_t blocks = p.in / p.block;
   for (int64_t a = 0; a < blocks; ++a) {
     const uint8_t* first = p.data + a * byte_rows * p.out_features + col;
     if (a + kPrefetchBlocks < blocks) Prefetch(p, a + kPrefetchBlocks, col);
-    PrepareWeights<kInt4>(first, p.out_features, byte_rows / 4, w);
-    AccumulateBlock<kInt4>(p, a, col, w, row0, rows, acc, kColumns);
+    if (rows > 1) PrepareWeights<kCodes>(first, p.out_features, byte_rows / 4, w);
+    AccumulateBlock<kCodes>(p, a, col, first, w, row0, rows, acc, kColumns);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    __m512 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = _mm512_load_ps(acc + r * kColumns + 16 * k);
+    F v[4];
+    for (int k = 0; k < 4; ++k) v[k] = vec::Load(acc + r * kColumns + 16 * k);
     TransposeLanes(v);
-    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(p.out + (row0 + r) * p.out_features + col + 16 * k, v[k]);
+    for (int k = 0; k < 4; ++k) vec::StoreUnaligned(p.out + (row0 + r) * p.out_features + col + 16 * k, v[k]);
   }
 }
 
@@ -318,18 +458,19 @@ void ColumnTask(const Problem& p, int64_t row0, int64_t rows, int64_t col) {
 // summed into those columns of its block range's partial [rows, out] (lane
 // order). Column strips would read a 64-byte piece of every row, a new page
 // each time.
-template <bool kInt4>
+template <Codes kCodes>
 void BlockRangeTask(const Problem& p, int64_t begin, int64_t end, int64_t col_begin, int64_t col_end,
                     float* partial) {
-  const int64_t byte_rows = kInt4 ? p.block / 2 : p.block;
-  alignas(64) __m512i w[32];
+  const int64_t byte_rows = kCodes == Codes::kInt4 ? p.block / 2 : p.block;
+  alignas(64) I w[kPreparedVectors];
   for (int64_t r = 0; r < p.rows; ++r) {
     std::fill(partial + r * p.out_features + col_begin, partial + r * p.out_features + col_end, 0.0f);
   }
   for (int64_t a = begin; a < end; ++a) {
     for (int64_t col = col_begin; col < col_end; col += kColumns) {
-      PrepareWeights<kInt4>(p.data + a * byte_rows * p.out_features + col, p.out_features, byte_rows / 4, w);
-      AccumulateBlock<kInt4>(p, a, col, w, 0, p.rows, partial + col, p.out_features);
+      const uint8_t* first = p.data + a * byte_rows * p.out_features + col;
+      if (p.rows > 1) PrepareWeights<kCodes>(first, p.out_features, byte_rows / 4, w);
+      AccumulateBlock<kCodes>(p, a, col, first, w, 0, p.rows, partial + col, p.out_features);
     }
   }
 }
@@ -353,7 +494,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
   p.group = group_size;
   p.block = block;
   // Blocks of 16 or 32 inputs: whole vectors of activations, whole quads of
-  // byte rows, at most 32 prepared weight vectors.
+  // byte rows, at most kPreparedVectors prepared weight vectors.
   if (p.in != data_dims[1] * (p.int4 ? 2 : 1) || p.group <= 0 || p.in % p.group != 0 ||
       (p.block != 16 && p.block != 32) || p.group % p.block != 0 || p.out_features % kColumns != 0) {
     return ffi::Error::InvalidArgument(
@@ -387,23 +528,23 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
       const int64_t col_begin = part * tiles / parts * kColumns, col_end = (part + 1) * tiles / parts * kColumns;
       float* partial = partials.data() + chunk * p.rows * p.out_features;
       if (p.int4) {
-        BlockRangeTask<true>(p, begin, end, col_begin, col_end, partial);
+        BlockRangeTask<Codes::kInt4>(p, begin, end, col_begin, col_end, partial);
       } else {
-        BlockRangeTask<false>(p, begin, end, col_begin, col_end, partial);
+        BlockRangeTask<Codes::kInt8>(p, begin, end, col_begin, col_end, partial);
       }
     });
     for (int64_t r = 0; r < p.rows; ++r) {
       for (int64_t col = 0; col < p.out_features; col += kColumns) {
-        __m512 v[4];
+        F v[4];
         for (int k = 0; k < 4; ++k) {
           const float* first = partials.data() + r * p.out_features + col + 16 * k;
-          v[k] = _mm512_loadu_ps(first);
+          v[k] = vec::LoadUnaligned(first);
           for (int64_t c = 1; c < chunks; ++c) {
-            v[k] = _mm512_add_ps(v[k], _mm512_loadu_ps(first + c * p.rows * p.out_features));
+            v[k] = vec::Add(v[k], vec::LoadUnaligned(first + c * p.rows * p.out_features));
           }
         }
         TransposeLanes(v);
-        for (int k = 0; k < 4; ++k) _mm512_storeu_ps(p.out + r * p.out_features + col + 16 * k, v[k]);
+        for (int k = 0; k < 4; ++k) vec::StoreUnaligned(p.out + r * p.out_features + col + 16 * k, v[k]);
       }
     }
     return ffi::Error::Success();
@@ -415,9 +556,9 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
     const int64_t row0 = (task % row_blocks) * kRowBlock, col = (task / row_blocks) * kColumns;
     const int64_t rows = std::min(kRowBlock, p.rows - row0);
     if (p.int4) {
-      ColumnTask<true>(p, row0, rows, col);
+      ColumnTask<Codes::kInt4>(p, row0, rows, col);
     } else {
-      ColumnTask<false>(p, row0, rows, col);
+      ColumnTask<Codes::kInt8>(p, row0, rows, col);
     }
   });
   return ffi::Error::Success();
@@ -441,7 +582,7 @@ ffi::Error Q8MatmulImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> x, ff
 // input k * per_byte + n (per_byte = 8 / low); the high plane is laid out so
 // that one more shift and mask puts the same inputs' high bits above them
 // (quant/kquant.py). Each 32-bit lane then holds 4 inputs' whole codes of one
-// column, in natural column order, as vpdpbusd multiplies them by 4 int8
+// column, in natural column order, as the dot multiplies them by 4 int8
 // activations, which are stored in the matching order (KQuantOrder).
 namespace kquant {
 
@@ -470,36 +611,50 @@ struct KProblem : jaxinfer::kquant::Layer {
   float* out;
 };
 
-// Run `run` of a tile (32 / low inputs), slot n: byte k of each column's
-// lane the unsigned code of input k * per_byte + n of the run, the 16
-// columns of quarter q in out[q].
+// Run `run` of a tile (32 / low inputs), slot n, quarter q: byte k of each
+// column's lane the unsigned code of input k * per_byte + n of the run, for
+// the 16 columns of quarter q.
 template <int64_t kKind>
-__attribute__((always_inline)) inline void RunSlotCodes(const uint8_t* codes, const uint8_t* high, int64_t run,
-                                                        int n, __m512i out[4]) {
+__attribute__((always_inline)) inline I SlotCodes(const uint8_t* codes, const uint8_t* high, int64_t run, int n,
+                                                  int q) {
   constexpr Shape s = ShapeOf(kKind);
   constexpr int per_byte = 8 / s.low, run_inputs = 32 / s.low;
-  const __m512i low_mask = _mm512_set1_epi8(static_cast<char>((1 << s.low) - 1));
-  for (int q = 0; q < 4; ++q) {
-    const __m512i low = _mm512_loadu_si512(codes + (run * 4 + q) * 64);
-    out[q] = _mm512_and_si512(_mm512_srl_epi16(low, _mm_cvtsi32_si128(s.low * n)), low_mask);
-  }
+  I out = vec::And(ShiftRight16(vec::LoadInts(codes + (run * 4 + q) * 64), s.low * n), SetBytes((1 << s.low) - 1));
   if constexpr (s.high > 0) {
     constexpr int chunk = 32 / (s.high > 0 ? s.high : 1);  // inputs per high word
     const int64_t first = run * run_inputs;
     const int h = static_cast<int>(first % chunk / run_inputs);
     const int bit = s.high * (h * per_byte + n);  // the slot's high bits in each byte
-    const __m512i high_mask = _mm512_set1_epi8(static_cast<char>(((1 << s.high) - 1) << s.low));
-    const uint8_t* words = high + first / chunk * 4 * 64;
-    for (int q = 0; q < 4; ++q) {
-      const __m512i bits = _mm512_loadu_si512(words + q * 64);
-      const __m512i placed = bit >= s.low ? _mm512_srl_epi16(bits, _mm_cvtsi32_si128(bit - s.low))
-                                          : _mm512_sll_epi16(bits, _mm_cvtsi32_si128(s.low - bit));
-      out[q] = _mm512_ternarylogic_epi32(out[q], placed, high_mask, 0xF8);  // out | (placed & mask)
+    const I bits = vec::LoadInts(high + first / chunk * 4 * 64 + q * 64);
+    const I placed = bit >= s.low ? ShiftRight16(bits, bit - s.low) : ShiftLeft16(bits, s.low - bit);
+    out = vec::Or(out, vec::And(placed, SetBytes(((1 << s.high) - 1) << s.low)));
+  }
+  return out;
+}
+
+// Group g's integer dots with one row's codes x (KQuantOrder) straight from
+// the tile's code words, quad pairs as BlockDots takes them: with one row
+// each code vector is used once, so the buffer of a super-block's codes
+// that rows share is skipped.
+template <int64_t kKind>
+__attribute__((always_inline)) inline void GroupDotsFromCodes(const uint8_t* codes, const uint8_t* high, int64_t g,
+                                                              const int32_t* x, I dot[4]) {
+  constexpr Shape s = ShapeOf(kKind);
+  constexpr int per_byte = 8 / s.low, runs = s.group * s.low / 32;
+  for (int k = 0; k < 4; ++k) dot[k] = vec::SetInts(0);
+  for (int run = 0; run < runs; ++run) {
+    for (int n = 0; n < per_byte; n += 2) {
+      const int quad = run * per_byte + n;
+      const I four = vec::SetInts(x[quad]), next = vec::SetInts(x[quad + 1]);
+      for (int k = 0; k < 4; ++k) {
+        dot[k] = DotBytes2(dot[k], SlotCodes<kKind>(codes, high, g * runs + run, n, k), four,
+                           SlotCodes<kKind>(codes, high, g * runs + run, n + 1, k), next);
+      }
     }
   }
 }
 
-// xq rows in the order RunSlotCodes gives the weights: within each run of
+// xq rows in the order SlotCodes gives the weights: within each run of
 // 32 / low inputs, dword n holds inputs n, per_byte + n, 2 * per_byte + n,
 // 3 * per_byte + n.
 void KQuantOrder(std::vector<int8_t>& codes, int64_t low) {
@@ -514,28 +669,25 @@ void KQuantOrder(std::vector<int8_t>& codes, int64_t low) {
 
 // Group g's sub-scales and sub-minimums (integers) of a tile's 64 columns, as int32.
 template <int64_t kKind>
-void GroupSubScales(const uint8_t* sub_scales, const uint8_t* sub_mins, int64_t g, __m512i scale[4],
-                    __m512i minimum[4]) {
+void GroupSubScales(const uint8_t* sub_scales, const uint8_t* sub_mins, int64_t g, I scale[4], I minimum[4]) {
   constexpr Shape s = ShapeOf(kKind);
   for (int k = 0; k < 4; ++k) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_scales + g * 64 + 16 * k));
-    scale[k] = s.signed_scales ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    const uint8_t* bytes = sub_scales + g * 64 + 16 * k;
+    scale[k] = s.signed_scales ? vec::FromSignedBytes(bytes) : vec::FromBytes(bytes);
     if (s.minimums == kPacked) {
-      minimum[k] = _mm512_srli_epi32(scale[k], 4);
-      scale[k] = _mm512_and_si512(scale[k], _mm512_set1_epi32(0x0F));
+      minimum[k] = vec::ShiftRight<4>(scale[k]);
+      scale[k] = vec::And(scale[k], vec::SetInts(0x0F));
     } else if (s.minimums == kSeparate) {
-      minimum[k] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub_mins + g * 64 + 16 * k)));
+      minimum[k] = vec::FromBytes(sub_mins + g * 64 + 16 * k);
     } else {
-      minimum[k] = _mm512_setzero_si512();
+      minimum[k] = vec::SetInts(0);
     }
   }
 }
 
 // Super-block sb's d (or dmin) of a tile's 64 columns as float32.
-void SuperScales(const uint16_t* d, int64_t sb, __m512 out[4]) {
-  for (int k = 0; k < 4; ++k) {
-    out[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + sb * 64 + 16 * k)));
-  }
+void SuperScales(const uint16_t* d, int64_t sb, F out[4]) {
+  for (int k = 0; k < 4; ++k) out[k] = vec::FromHalves(d + sb * 64 + 16 * k);
 }
 
 // Rows [row0, row0 + rows) x the 64 columns of tile `tile`, every super-block.
@@ -553,59 +705,62 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
   const uint16_t* d = p.d + tile * p.supers * 64;
   const uint16_t* dmin = s.minimums ? p.dmin + tile * p.supers * 64 : nullptr;
   const int64_t quads = s.group / 4, per_super = kSuperBlock / s.group;
-  alignas(64) __m512i weights[kSuperBlock];  // a super-block's codes as bytes: 4 vectors (quarters) per 4 inputs
-  alignas(64) __m512i scales[16][4], minimums[16][4];
+  alignas(64) I weights[kSuperBlock];  // a super-block's codes as bytes: 4 vectors (quarters) per 4 inputs
+  alignas(64) I scales[16][4], minimums[16][4];
   alignas(64) float acc[kRowBlock * kColumns] = {};
   for (int64_t sb = 0; sb < p.supers; ++sb) {
     for (int64_t gi = 0; gi < per_super; ++gi) {
       const int64_t g = sb * per_super + gi;
       constexpr int64_t per_byte = 8 / s.low, run_inputs = 32 / s.low;
-      for (int64_t run = 0; run < s.group / run_inputs; ++run) {
+      for (int64_t run = 0; rows > 1 && run < s.group / run_inputs; ++run) {
         for (int n = 0; n < per_byte; ++n) {
-          RunSlotCodes<kKind>(codes, high, g * (s.group / run_inputs) + run, n,
-                              weights + 4 * (gi * quads + run * per_byte + n));
+          for (int q = 0; q < 4; ++q) {
+            weights[4 * (gi * quads + run * per_byte + n) + q] =
+                SlotCodes<kKind>(codes, high, g * (s.group / run_inputs) + run, n, q);
+          }
         }
       }
       GroupSubScales<kKind>(sub_scales, sub_mins, g, scales[gi], minimums[gi]);
     }
-    __m512 d_s[4], dmin_s[4];
+    F d_s[4], dmin_s[4];
     SuperScales(d, sb, d_s);
     if (s.minimums) SuperScales(dmin, sb, dmin_s);
-    for (int64_t r = 0; r < rows; r += 2) {
-      const int pair = r + 1 < rows ? 2 : 1;
-      __m512i sums[2][4], mins[2][4];
-      for (int i = 0; i < 2; ++i)
-        for (int k = 0; k < 4; ++k) sums[i][k] = mins[i][k] = _mm512_setzero_si512();
+    ForRowGroups(rows, [&](int64_t r0, auto together) {
+      constexpr int kRows = decltype(together)::value;
+      constexpr Shape s = ShapeOf(kKind);  // its own: g++ 12 crashes on the outer one used in here
+      I sums[kRows][4], mins[kRows][4];
+      for (int i = 0; i < kRows; ++i)
+        for (int k = 0; k < 4; ++k) sums[i][k] = mins[i][k] = vec::SetInts(0);
       for (int64_t gi = 0; gi < per_super; ++gi) {
         const int64_t g = sb * per_super + gi;
-        const int32_t* x[2];
-        for (int i = 0; i < pair; ++i)
-          x[i] = reinterpret_cast<const int32_t*>(p.xq->act.codes.data() + (row0 + r + i) * p.in + g * s.group);
-        __m512i dot[2][4];
-        if (pair == 2) {
-          BlockDots<false, 2>(x, weights + 4 * gi * quads, quads, dot);
+        const int32_t* x[kRows];
+        for (int i = 0; i < kRows; ++i)
+          x[i] = reinterpret_cast<const int32_t*>(p.xq->act.codes.data() + (row0 + r0 + i) * p.in + g * s.group);
+        I dot[kRows][4];
+        if (rows == 1) {
+          GroupDotsFromCodes<kKind>(codes, high, g, x[0], dot[0]);
         } else {
-          BlockDots<false, 1>(x, weights + 4 * gi * quads, quads, dot);
+          BlockDots<Codes::kKQuant, kRows>(x, weights + 4 * gi * quads, quads, dot);
         }
-        for (int i = 0; i < pair; ++i) {
-          const int32_t code_sum = p.xq->group_code_sums[(row0 + r + i) * p.groups + g];
-          const __m512i bias = _mm512_set1_epi32(s.bias * code_sum), sum = _mm512_set1_epi32(code_sum);
+        for (int i = 0; i < kRows; ++i) {
+          const int32_t code_sum = p.xq->group_code_sums[(row0 + r0 + i) * p.groups + g];
+          const I bias = vec::SetInts(s.bias * code_sum), sum = vec::SetInts(code_sum);
           for (int k = 0; k < 4; ++k) {
-            sums[i][k] = _mm512_add_epi32(sums[i][k], _mm512_mullo_epi32(scales[gi][k], _mm512_sub_epi32(dot[i][k], bias)));
-            if (s.minimums) mins[i][k] = _mm512_add_epi32(mins[i][k], _mm512_mullo_epi32(minimums[gi][k], sum));
+            sums[i][k] = vec::AddInts(sums[i][k], vec::MulInts(scales[gi][k], vec::SubInts(dot[i][k], bias)));
+            if (s.minimums) mins[i][k] = vec::AddInts(mins[i][k], vec::MulInts(minimums[gi][k], sum));
           }
         }
       }
-      for (int i = 0; i < pair; ++i) {
-        const __m512 dx = _mm512_set1_ps(p.xq->act.x_scales[(row0 + r + i) * p.supers + sb]);
-        float* out = acc + (r + i) * kColumns;
+      for (int i = 0; i < kRows; ++i) {
+        const F dx = vec::Set(p.xq->act.x_scales[(row0 + r0 + i) * p.supers + sb]);
+        float* out = acc + (r0 + i) * kColumns;
         for (int k = 0; k < 4; ++k) {
-          __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][k]), _mm512_mul_ps(d_s[k], dx), _mm512_loadu_ps(out + 16 * k));
-          if (s.minimums) v = _mm512_fnmadd_ps(_mm512_mul_ps(dmin_s[k], dx), _mm512_cvtepi32_ps(mins[i][k]), v);
-          _mm512_storeu_ps(out + 16 * k, v);
+          F v = vec::MulAdd(vec::ToFloat(sums[i][k]), vec::Mul(d_s[k], dx), vec::LoadUnaligned(out + 16 * k));
+          if (s.minimums) v = vec::NegMulAdd(vec::Mul(dmin_s[k], dx), vec::ToFloat(mins[i][k]), v);
+          vec::StoreUnaligned(out + 16 * k, v);
         }
       }
-    }
+    });
   }
   for (int64_t r = 0; r < rows; ++r) std::copy_n(acc + r * kColumns, kColumns, p.out + (row0 + r) * p.out_features + tile * kColumns);
 }

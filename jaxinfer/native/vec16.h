@@ -1,5 +1,6 @@
 // Sixteen 32-bit lanes, as the native kernels' vector paths work on them
-// (kquant_matmul.cc, matmul.cc's tiled paths, paged_attention.cc's float
+// (kquant_matmul.cc, matmul.cc's tiled paths, q8_matmul.cc, whose byte
+// operations on the same 64 bytes are its own, paged_attention.cc's float
 // pool and softmax): one AVX-512 register, or two AVX2 registers (lanes 0-7
 // and 8-15) where the CPU has AVX2, FMA and F16C but no AVX-512. Every
 // operation here acts lane by lane (but Sum and MaxOf), so a kernel written
@@ -48,6 +49,14 @@ inline F Add(F a, F b) { return _mm512_add_ps(a, b); }
 inline F Sub(F a, F b) { return _mm512_sub_ps(a, b); }
 inline F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
 inline F MulAdd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }      // a * b + c, one rounding
+inline F Div(F a, F b) { return _mm512_div_ps(a, b); }
+inline F Min(F a, F b) { return _mm512_min_ps(a, b); }  // b where either is NaN
+inline F Abs(F v) { return _mm512_abs_ps(v); }
+inline I ToInts(F v) { return _mm512_cvtps_epi32(v); }  // rounded to nearest even: exact for whole numbers
+inline I AddInts(I a, I b) { return _mm512_add_epi32(a, b); }
+inline I SubInts(I a, I b) { return _mm512_sub_epi32(a, b); }
+inline I MulInts(I a, I b) { return _mm512_mullo_epi32(a, b); }  // the product's low 32 bits
+inline int32_t SumInts(I v) { return _mm512_reduce_add_epi32(v); }
 inline F NegMulAdd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
 inline I And(I a, I b) { return _mm512_and_si512(a, b); }
 inline I Or(I a, I b) { return _mm512_or_si512(a, b); }
@@ -117,6 +126,23 @@ inline F Mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, 
 inline F MulAdd(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline F NegMulAdd(F a, F b, F c) {
   return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline F Div(F a, F b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline F Min(F a, F b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline F Abs(F v) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  return {_mm256_andnot_ps(sign, v.lo), _mm256_andnot_ps(sign, v.hi)};
+}
+inline I ToInts(F v) { return {_mm256_cvtps_epi32(v.lo), _mm256_cvtps_epi32(v.hi)}; }
+inline I AddInts(I a, I b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline I SubInts(I a, I b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+inline I MulInts(I a, I b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }
+inline int32_t SumInts(I v) {
+  const __m256i s = _mm256_add_epi32(v.lo, v.hi);
+  __m128i q = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0x4E));
+  q = _mm_add_epi32(q, _mm_shuffle_epi32(q, 0xB1));
+  return _mm_cvtsi128_si32(q);
 }
 inline I And(I a, I b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
 inline I Or(I a, I b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }

@@ -18,7 +18,7 @@ from jaxinfer.native import matmul as cpu_matmul
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.linear import linear
 from jaxinfer.quant.tensor import QuantizedTensor, pack_int4
-from tests.cpu_features import VEC16, VNNI, needs_vec16, needs_vnni
+from tests.cpu_features import INT8_DOTS, VEC16, needs_vec16, needs_int8_dots
 
 # The CPU backend's operations: what the model's layer loop calls on one device.
 CPU = CpuBackend()
@@ -26,9 +26,9 @@ CPU = CpuBackend()
 
 def test_kernels_build_here():
     # Not a skip: CI has g++, and without the kernels decode silently takes the
-    # slow path. The int8-activation kernel is AVX512-VNNI code, and the exact
+    # slow path. The int8-activation kernel is AVX512-VNNI or AVX2 code, and the exact
     # kernel stores tiles only where its tiled paths (vec16.h) read them.
-    assert cpu_matmul.available() and cpu_matmul.q8_available() == VNNI
+    assert cpu_matmul.available() and cpu_matmul.q8_available() == INT8_DOTS
     w = QuantizedTensor(jnp.zeros((64, 64), jnp.int8), jnp.ones((1, 64)), None, "int8", 64)
     assert cpu_matmul.tileable(w) == VEC16
 
@@ -172,7 +172,7 @@ def int8_blocks_float64(x, block):
     return (codes.astype(np.float64) * scale).reshape(x.shape)
 
 
-@needs_vnni
+@needs_int8_dots
 @pytest.mark.parametrize("scheme,group_size,offsets", [("int4", 32, True), ("int8", 32, False), ("int8", 16, True),
                                                        ("int4", 64, True), ("int8", 576, False)])
 @pytest.mark.parametrize("rows", [1, 2, 7, 64])
@@ -190,7 +190,7 @@ def test_q8_matches_float64(scheme, group_size, offsets, rows):
         assert_matches(np.asarray(run(x, w, layer)), expected)
 
 
-@needs_vnni
+@needs_int8_dots
 @pytest.mark.parametrize("scheme,in_features", [("int8", 576), ("int4", 32)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 def test_q8_wide_weight(scheme, in_features, rows):
@@ -206,7 +206,7 @@ def test_q8_wide_weight(scheme, in_features, rows):
     assert_matches(np.asarray(jax.jit(cpu_matmul.q8_matmul)(x, w, 1)), expected)
 
 
-@needs_vnni
+@needs_int8_dots
 @pytest.mark.parametrize("rows", [1, 20])
 def test_q8_float16_scales(rows):
     """Scales and offsets stored as float16 (what with_int8_activations keeps
@@ -225,7 +225,7 @@ def test_q8_float16_scales(rows):
     assert_matches(np.asarray(jax.jit(cpu_matmul.q8_matmul)(x, half, 0)), expected)
 
 
-@needs_vnni
+@needs_int8_dots
 def test_linear_with_int8_activations_same_on_every_path():
     """A weight with activation_block: the CPU backend's linear on LayerOf runs the q8 kernel
     at any row count; on the plain layer (the XLA path, or a mesh) it

@@ -19,7 +19,7 @@ from jaxinfer.native import matmul as cpu_matmul
 from jaxinfer.perplexity import perplexity_of_text
 from jaxinfer.quant.params import LINEAR_KEYS
 from jaxinfer.quant.tensor import QuantizedTensor, dequantize
-from tests.cpu_features import needs_vnni
+from tests.cpu_features import needs_int8_dots
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_head_is_the_files_q8_0_token_embd(a8_model):
     np.testing.assert_array_equal(np.asarray(dequantize(head)).T, expected)
 
 
-@needs_vnni
+@needs_int8_dots
 def test_every_linear_weight_multiplies_int8_blocks_in_the_kernel(a8_model):
     layers = a8_model.params["layers"]
     assert all(isinstance(layers[k], QuantizedTensor) and layers[k].activation_block == 32 for k in LINEAR_KEYS)

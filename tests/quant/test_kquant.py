@@ -31,7 +31,7 @@ from jaxinfer.quant.kquant import KQuantTensor, dequantize
 from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.params import LINEAR_KEYS
-from tests.cpu_features import VEC16, VNNI, needs_vec16, needs_vnni
+from tests.cpu_features import INT8_DOTS, VEC16, needs_vec16, needs_int8_dots
 from tests.gguf_writer import gguf_name, random_k_blocks, write_gguf, write_kquant_mix
 from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model
 
@@ -44,8 +44,8 @@ def test_kernels_build_here():
     # Not a skip: CI has g++, and without the kernels K-quant files decode
     # through a float copy of every weight (and without the repacking, a load
     # converts them in numpy, seconds slower). The exact matmul is AVX-512 or
-    # AVX2 code, the int8-activation one AVX512-VNNI: elsewhere they report so.
-    assert kquant_matmul.available() == VEC16 and kquant_matmul.q8_available() == VNNI
+    # AVX2 code, the int8-activation one AVX512-VNNI or AVX2: elsewhere they report so.
+    assert kquant_matmul.available() == VEC16 and kquant_matmul.q8_available() == INT8_DOTS
     assert kquant_repack.available()
 
 
@@ -118,7 +118,7 @@ def test_kernel_matches_float64(qtype):
         np.testing.assert_array_equal(y[-1], np.asarray(exact(x[-1:], w, 1))[0])
 
 
-@needs_vnni
+@needs_int8_dots
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
 def test_int8_activation_kernel_matches_float64(qtype):
     """The gguf-a8 kernel at 1, 3 and 17 rows (activations rounded to int8
@@ -136,7 +136,7 @@ def test_int8_activation_kernel_matches_float64(qtype):
 
 
 @pytest.mark.parametrize("int8_activations", [pytest.param(False, marks=needs_vec16),
-                                              pytest.param(True, marks=needs_vnni)], ids=["exact", "gguf-a8"])
+                                              pytest.param(True, marks=needs_int8_dots)], ids=["exact", "gguf-a8"])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_a_row_does_not_depend_on_the_rows_beside_it(qtype, int8_activations):
     """Every row count up to 8 (each its own split of rows and columns) and
@@ -155,7 +155,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(qtype, int8_activations):
 
 
 @pytest.mark.parametrize("int8_activations", [pytest.param(False, marks=needs_vec16),
-                                              pytest.param(True, marks=needs_vnni)], ids=["exact", "gguf-a8"])
+                                              pytest.param(True, marks=needs_int8_dots)], ids=["exact", "gguf-a8"])
 def test_several_kinds_in_one_call(int8_activations):
     """A layer's q, k and v in one call of either kernel, each of its own
     kind and v a MixedStack (layer 0 Q5_K, layer 1 Q2_K: the call reads the
@@ -259,8 +259,8 @@ def test_xla_backend_runs_the_same_weights(kquant_load, float_load):
 def test_gguf_a8_multiplies_int8_blocks(mixed_file, kquant_load):
     """quantization="gguf-a8": every K-quant weight (mixed stacks' parts too)
     marked for int8 activations in blocks of a super-block (llama.cpp's
-    Q8_K) and multiplied by a kernel (the int8-activation one with
-    AVX512-VNNI, else the exact one on the rounded activations), with logits those of the XLA
+    Q8_K) and multiplied by a kernel (the int8-activation one where it
+    builds, else the exact one on the rounded activations), with logits those of the XLA
     reference of the same params to 1%: the two round the same activations
     to int8 but sum floats in other orders, and a hidden value that lands
     on the other side of a rounding boundary moves by a whole int8 step
