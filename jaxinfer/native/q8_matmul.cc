@@ -301,7 +301,9 @@ template <Codes kCodes, int kRows>
 void BlockDots(const int32_t* const* x, const I* w, int64_t quads, I sum[][4]) {
   for (int r = 0; r < kRows; ++r)
     for (int k = 0; k < 4; ++k) sum[r][k] = vec::SetInts(0);
-  for (int64_t quad = 0; quad < quads; ++quad) {
+  // K-quant codes two quads at a time (DotBytes2; quads is even: groups of 16 or 32 inputs).
+  constexpr int64_t kStep = kCodes == Codes::kKQuant ? 2 : 1;
+  for (int64_t quad = 0; quad < quads; quad += kStep) {
     const I* wq = w + kQuadVectors<kCodes> * quad;
     for (int r = 0; r < kRows; ++r) {
       if constexpr (kCodes == Codes::kInt4) {
@@ -310,12 +312,11 @@ void BlockDots(const int32_t* const* x, const I* w, int64_t quads, I sum[][4]) {
       } else if constexpr (kCodes == Codes::kInt8) {
         const I four = vec::SetInts(x[r][quad]);
         for (int k = 0; k < 4; ++k) sum[r][k] = DotInt8(sum[r][k], wq + kInt8Vectors * k, four);
-      } else {  // two quads at a time (quads is even: groups of 16 or 32 inputs)
+      } else {
         const I four = vec::SetInts(x[r][quad]), next = vec::SetInts(x[r][quad + 1]);
         for (int k = 0; k < 4; ++k) sum[r][k] = DotBytes2(sum[r][k], wq[k], four, wq[4 + k], next);
       }
     }
-    if constexpr (kCodes == Codes::kKQuant) ++quad;
   }
 }
 
