@@ -191,6 +191,27 @@ def test_q8_matches_float64(scheme, group_size, offsets, rows):
 
 
 @needs_int8_dots
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_q8_exact_at_the_largest_products(scheme):
+    """Codes at their largest magnitude (int8 127 and -128 for alternate pairs
+    of inputs, int4 15) against activations that round to +127 / -127 with
+    the codes' signs, so every product adds the same way: AVX2's dots add
+    pairs of products in int16, where 2 * 128 * 127 = 32,512 just fits (int8
+    weights go in as |w| times the activations with w's signs; as w + 128, a
+    pair of 127s would be 2 * 255 * 127), at one row and at three."""
+    inputs = np.arange(64)[:, None]
+    codes = np.where(inputs // 2 % 2 == 0, 127, -128) if scheme == "int8" else np.full((64, 1), 15)
+    codes = np.broadcast_to(codes, (64, 128))
+    data = jnp.asarray(codes, jnp.int8) if scheme == "int8" else pack_int4(jnp.asarray(codes, jnp.uint8))
+    scales = np.full((2, 128), 0.01, np.float32)
+    w = QuantizedTensor(data[None], jnp.asarray(scales)[None], None, scheme, 32, activation_block=32)
+    value = codes * np.repeat(scales, 32, axis=0).astype(np.float64)
+    for rows in (1, 3):
+        x = np.broadcast_to(np.sign(codes[:, 0]).astype(np.float32), (rows, 64)).copy()
+        assert_matches(np.asarray(jax.jit(cpu_matmul.q8_matmul)(x, w, 0)), int8_blocks_float64(x, 32) @ value)
+
+
+@needs_int8_dots
 @pytest.mark.parametrize("scheme,in_features", [("int8", 576), ("int4", 32)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 def test_q8_wide_weight(scheme, in_features, rows):

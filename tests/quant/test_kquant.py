@@ -32,7 +32,7 @@ from jaxinfer.quant.layer_weights import LayerOf
 from jaxinfer.quant.mixed_stack import MixedStack
 from jaxinfer.quant.params import LINEAR_KEYS
 from tests.cpu_features import INT8_DOTS, VEC16, needs_vec16, needs_int8_dots
-from tests.gguf_writer import gguf_name, random_k_blocks, write_gguf, write_kquant_mix
+from tests.gguf_writer import K_SUPER_SCALES, gguf_name, random_k_blocks, write_gguf, write_kquant_mix
 from tests.tiny_models import assert_logits_close, hf_logits, make_hf_model
 
 Q = gguf.GGMLQuantizationType
@@ -133,6 +133,26 @@ def test_int8_activation_kernel_matches_float64(qtype):
         y = np.asarray(q8(x, a8, 1))
         assert_matches(y, int8_blocks64(x, 256) @ values[1])
         np.testing.assert_array_equal(y[0], np.asarray(q8(x[:1], a8, 1))[0])
+
+
+@needs_int8_dots
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K], ids=lambda q: q.name)
+def test_int8_activation_kernel_exact_at_the_largest_codes(qtype):
+    """Every code bit set (Q6_K codes 63, Q4_K 15) against activations that round
+    to +127: the largest integer sums the kernel's dots take (AVX2 adds four
+    products in int16 before widening, 4 * 63 * 127 = 32,004 for Q6_K, just
+    under 2^15), at one row and at three, against float64."""
+    blocks = np.full((64, 1, gguf.GGML_QUANT_SIZES[qtype][1]), 0xFF, np.uint8)
+    for offset, scale in K_SUPER_SCALES[qtype]:
+        blocks[..., offset:offset + 2] = np.asarray([scale], "<f2").view(np.uint8)
+    raw = blocks.reshape(64, -1)
+    w = jax.tree.map(lambda a: a[None], blocks_to_kquant(raw, qtype, 64, 256)).tiled(64)
+    values = gguf.quants.dequantize(raw, qtype).T.astype(np.float64)
+    q8 = jax.jit(kquant_matmul.q8_kquant_matmul)
+    for rows in (1, 3):
+        x = np.ones((rows, 256), np.float32)
+        assert_matches(np.asarray(q8(x, dataclasses.replace(w, activation_block=256), 0)),
+                       int8_blocks64(x, 256) @ values)
 
 
 @pytest.mark.parametrize("int8_activations", [pytest.param(False, marks=needs_vec16),
