@@ -692,8 +692,9 @@ void SuperScales(const uint16_t* d, int64_t sb, F out[4]) {
 }
 
 // Rows [row0, row0 + rows) x the 64 columns of tile `tile`, every super-block.
-// Per super-block the codes of its groups are unpacked once (into an L1
-// buffer), and each row's integer sums of sub_scale * (dot - bias
+// Per super-block the codes of its groups are unpacked once into an L1
+// buffer that the rows share (one row multiplies them as they are unpacked:
+// GroupDotsFromCodes), and each row's integer sums of sub_scale * (dot - bias
 // * sum(xq)) and of sub_min * sum(xq) over the groups are exact; one
 // float multiply-add per super-block then scales them by d * d_x (dmin * d_x).
 template <int64_t kKind>
@@ -713,7 +714,7 @@ void KQuantColumnTask(const KProblem& p, int64_t row0, int64_t rows, int64_t til
     for (int64_t gi = 0; gi < per_super; ++gi) {
       const int64_t g = sb * per_super + gi;
       constexpr int64_t per_byte = 8 / s.low, run_inputs = 32 / s.low;
-      for (int64_t run = 0; rows > 1 && run < s.group / run_inputs; ++run) {
+      for (int64_t run = 0; run < s.group / run_inputs && rows > 1; ++run) {  // the buffer, for 2+ rows
         for (int n = 0; n < per_byte; ++n) {
           for (int q = 0; q < 4; ++q) {
             weights[4 * (gi * quads + run * per_byte + n) + q] =
