@@ -14,7 +14,7 @@ from jaxinfer.native.build import cpu_has
 AVX512 = cpu_has("avx512f")
 VEC16 = AVX512 or (cpu_has("avx2") and cpu_has("fma") and cpu_has("f16c"))
 VNNI = AVX512 and cpu_has("avx512bw") and cpu_has("avx512_vnni")
-# q8_matmul.cc's integer dots: vpdpbusd with AVX-512, vpmaddubsw with AVX2 (an AVX-512 CPU without VNNI has neither).
+# q8_matmul.cc's integer dots: vpdpbusd with AVX-512 (built only with VNNI there), vpmaddubsw with AVX2.
 INT8_DOTS = VNNI if AVX512 else VEC16
 
 needs_avx512 = pytest.mark.skipif(not AVX512, reason="an AVX-512 kernel path; this CPU has no AVX-512")

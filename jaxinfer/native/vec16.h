@@ -1,8 +1,8 @@
 // Sixteen 32-bit lanes, as the native kernels' vector paths work on them
-// (kquant_matmul.cc, matmul.cc's tiled paths, q8_matmul.cc, whose byte
-// operations on the same 64 bytes are its own, paged_attention.cc's float
-// pool and softmax): one AVX-512 register, or two AVX2 registers (lanes 0-7
-// and 8-15) where the CPU has AVX2, FMA and F16C but no AVX-512. Every
+// (kquant_matmul.cc, matmul.cc's tiled paths, q8_matmul.cc with byte
+// operations of its own, paged_attention.cc's float pool and softmax): one
+// AVX-512 register, or two AVX2 registers (lanes 0-7 and 8-15) where the
+// CPU has AVX2, FMA and F16C but no AVX-512. Every
 // operation here acts lane by lane (but Sum and MaxOf), so a kernel written
 // on these computes the same numbers on both, in the same order; only what
 // the registers hold at once differs (16 ymm against 32 zmm: the kernel
