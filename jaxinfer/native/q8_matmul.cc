@@ -367,14 +367,15 @@ F LoadScales(const Problem& p, const void* base, int64_t at) {
 
 // Adds activation block a's products for rows [row0, row0 + rows) into
 // acc + r * stride (64 floats per row, in the tile's lane order: see the
-// top), for the 64 columns whose weights are prepared in w.
-// One row (rows == 1) multiplies the byte rows at `first` (RowDotsFromCodes), more
-// the prepared w.
+// top), for the 64 columns whose byte rows start at `first`: one row
+// multiplies them as they are (RowDotsFromCodes), more rows prepare them in
+// the buffer w (kPreparedVectors) first and share it.
 template <Codes kCodes>
-void AccumulateBlock(const Problem& p, int64_t a, int64_t col, const uint8_t* first, const I* w, int64_t row0,
+void AccumulateBlock(const Problem& p, int64_t a, int64_t col, const uint8_t* first, I* w, int64_t row0,
                      int64_t rows, float* acc, int64_t stride) {
   const int64_t blocks = p.in / p.block;
   const int64_t quads = (kCodes == Codes::kInt4 ? p.block / 2 : p.block) / 4;
+  if (rows > 1) PrepareWeights<kCodes>(first, p.out_features, quads, w);
   const int64_t g = a * p.block / p.group;
   F scale[4], offset[4];
   for (int k = 0; k < 4; ++k) {
@@ -442,7 +443,6 @@ void ColumnTask(const Problem& p, int64_t row0, int64_t rows, int64_t col) {
   for (int64_t a = 0; a < blocks; ++a) {
     const uint8_t* first = p.data + a * byte_rows * p.out_features + col;
     if (a + kPrefetchBlocks < blocks) Prefetch(p, a + kPrefetchBlocks, col);
-    if (rows > 1) PrepareWeights<kCodes>(first, p.out_features, byte_rows / 4, w);
     AccumulateBlock<kCodes>(p, a, col, first, w, row0, rows, acc, kColumns);
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -469,9 +469,8 @@ void BlockRangeTask(const Problem& p, int64_t begin, int64_t end, int64_t col_be
   }
   for (int64_t a = begin; a < end; ++a) {
     for (int64_t col = col_begin; col < col_end; col += kColumns) {
-      const uint8_t* first = p.data + a * byte_rows * p.out_features + col;
-      if (p.rows > 1) PrepareWeights<kCodes>(first, p.out_features, byte_rows / 4, w);
-      AccumulateBlock<kCodes>(p, a, col, first, w, 0, p.rows, partial + col, p.out_features);
+      AccumulateBlock<kCodes>(p, a, col, p.data + a * byte_rows * p.out_features + col, w, 0, p.rows, partial + col,
+                              p.out_features);
     }
   }
 }
