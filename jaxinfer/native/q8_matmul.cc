@@ -267,30 +267,67 @@ void TransposeRows(const uint8_t* row, int64_t stride, I t[4]) {
 // (PrepareInt8), or K-quant codes (unsigned, at most 6 bits, as they are).
 enum class Codes { kInt4, kInt8, kKQuant };
 
-// Prepared vectors per byte row quad of 4 inputs' (int4: 8 inputs') codes and 64 columns.
+// Vectors the dots take per transposed vector of grouped codes (TransposeRows'
+// t[k]): int4 its low and high nibbles, int8 PrepareInt8's.
 template <Codes kCodes>
-constexpr int kQuadVectors = kCodes == Codes::kInt4 ? 8 : kCodes == Codes::kInt8 ? 4 * kInt8Vectors : 4;
+constexpr int kCodeVectors = kCodes == Codes::kInt4 ? 2 : kInt8Vectors;
+// Prepared vectors per byte row quad of 4 inputs' (int4: 8 inputs') codes and
+// 64 columns (K-quants: 4, their codes as SlotCodes gives them).
+template <Codes kCodes>
+constexpr int kQuadVectors = kCodes == Codes::kKQuant ? 4 : 4 * kCodeVectors<kCodes>;
 // A block's (at most 32 inputs: 8 quads of int8 codes, 4 of int4).
 constexpr int kPreparedVectors = 8 * kQuadVectors<Codes::kInt8>;
 
+// t's kCodeVectors vectors for the dots, into w.
+template <Codes kCodes>
+__attribute__((always_inline)) inline void PrepareCodes(I t, I* w) {
+  if constexpr (kCodes == Codes::kInt4) {
+    const I nibble = SetBytes(0x0F);
+    w[0] = vec::And(t, nibble);
+    w[1] = vec::And(ShiftRight16(t, 4), nibble);
+  } else {
+    PrepareInt8(t, w);
+  }
+}
+
+// A row's activation dwords for one quad's dots, broadcast once for its 4
+// column vectors: int4 the even and odd inputs' (x[2q], x[2q + 1]: against
+// the low and the high nibbles), int8 x[q] (b unused), K-quants x[q] and
+// x[q + 1] (two quads' codes in one DotBytes2: DotKQuant).
+template <Codes kCodes>
+struct QuadInputs {
+  I a, b;
+  __attribute__((always_inline)) QuadInputs(const int32_t* x, int64_t quad) {
+    const int64_t at = kCodes == Codes::kInt4 ? 2 * quad : quad;
+    a = vec::SetInts(x[at]);
+    b = kCodes == Codes::kInt8 ? a : vec::SetInts(x[at + 1]);
+  }
+};
+
+// sum plus the dots of one column vector's prepared codes w (PrepareCodes) with in.
+template <Codes kCodes>
+__attribute__((always_inline)) inline I DotCodes(I sum, const I* w, const QuadInputs<kCodes>& in) {
+  if constexpr (kCodes == Codes::kInt4) {
+    return DotBytes2(sum, w[0], in.a, w[1], in.b);
+  } else {
+    return DotInt8(sum, w, in.a);
+  }
+}
+
+// sum plus the dots of K-quant codes of quad q (w0) and q + 1 (w1) with in.
+__attribute__((always_inline)) inline I DotKQuant(I sum, I w0, I w1, const QuadInputs<Codes::kKQuant>& in) {
+  return DotBytes2(sum, w0, in.a, w1, in.b);
+}
+
 // The weights of one activation block and 64 columns, transposed for the
-// dots: per 4 byte rows, vectors kQuadVectors * quad + ..., for k = 0..3:
-// int4 2 * k (low nibbles), 2 * k + 1 (high); int8 PrepareInt8's at kInt8Vectors * k.
+// dots: per 4 byte rows, vectors kQuadVectors * quad + kCodeVectors * k
+// (PrepareCodes of TransposeRows' t[k]), k = 0..3.
 template <Codes kCodes>
 void PrepareWeights(const uint8_t* first, int64_t stride, int64_t quads, I* w) {
-  const I nibble = SetBytes(0x0F);
   for (int64_t quad = 0; quad < quads; ++quad) {
     I t[4];
     TransposeRows(first + 4 * quad * stride, stride, t);
-    I* out = w + kQuadVectors<kCodes> * quad;
-    for (int k = 0; k < 4; ++k) {
-      if constexpr (kCodes == Codes::kInt4) {
-        out[2 * k] = vec::And(t[k], nibble);
-        out[2 * k + 1] = vec::And(ShiftRight16(t[k], 4), nibble);
-      } else {
-        PrepareInt8(t[k], out + kInt8Vectors * k);
-      }
-    }
+    for (int k = 0; k < 4; ++k) PrepareCodes<kCodes>(t[k], w + kQuadVectors<kCodes> * quad + kCodeVectors<kCodes> * k);
   }
 }
 
@@ -306,15 +343,13 @@ void BlockDots(const int32_t* const* x, const I* w, int64_t quads, I sum[][4]) {
   for (int64_t quad = 0; quad < quads; quad += kStep) {
     const I* wq = w + kQuadVectors<kCodes> * quad;
     for (int r = 0; r < kRows; ++r) {
-      if constexpr (kCodes == Codes::kInt4) {
-        const I even = vec::SetInts(x[r][2 * quad]), odd = vec::SetInts(x[r][2 * quad + 1]);
-        for (int k = 0; k < 4; ++k) sum[r][k] = DotBytes2(sum[r][k], wq[2 * k], even, wq[2 * k + 1], odd);
-      } else if constexpr (kCodes == Codes::kInt8) {
-        const I four = vec::SetInts(x[r][quad]);
-        for (int k = 0; k < 4; ++k) sum[r][k] = DotInt8(sum[r][k], wq + kInt8Vectors * k, four);
-      } else {
-        const I four = vec::SetInts(x[r][quad]), next = vec::SetInts(x[r][quad + 1]);
-        for (int k = 0; k < 4; ++k) sum[r][k] = DotBytes2(sum[r][k], wq[k], four, wq[4 + k], next);
+      const QuadInputs<kCodes> in(x[r], quad);
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (kCodes == Codes::kKQuant) {
+          sum[r][k] = DotKQuant(sum[r][k], wq[k], wq[4 + k], in);
+        } else {
+          sum[r][k] = DotCodes(sum[r][k], wq + kCodeVectors<kCodes> * k, in);
+        }
       }
     }
   }
@@ -325,23 +360,15 @@ void BlockDots(const int32_t* const* x, const I* w, int64_t quads, I sum[][4]) {
 // one row each is used once, so the buffer that rows share is skipped.
 template <Codes kCodes>
 void RowDotsFromCodes(const int32_t* x, const uint8_t* first, int64_t stride, int64_t quads, I sum[4]) {
-  const I nibble = SetBytes(0x0F);
   for (int k = 0; k < 4; ++k) sum[k] = vec::SetInts(0);
   for (int64_t quad = 0; quad < quads; ++quad) {
     I t[4];
     TransposeRows(first + 4 * quad * stride, stride, t);
-    if constexpr (kCodes == Codes::kInt4) {
-      const I even = vec::SetInts(x[2 * quad]), odd = vec::SetInts(x[2 * quad + 1]);
-      for (int k = 0; k < 4; ++k) {
-        sum[k] = DotBytes2(sum[k], vec::And(t[k], nibble), even, vec::And(ShiftRight16(t[k], 4), nibble), odd);
-      }
-    } else {
-      const I four = vec::SetInts(x[quad]);
-      for (int k = 0; k < 4; ++k) {
-        I w[kInt8Vectors];
-        PrepareInt8(t[k], w);
-        sum[k] = DotInt8(sum[k], w, four);
-      }
+    const QuadInputs<kCodes> in(x, quad);
+    for (int k = 0; k < 4; ++k) {
+      I w[kCodeVectors<kCodes>];
+      PrepareCodes<kCodes>(t[k], w);
+      sum[k] = DotCodes(sum[k], w, in);
     }
   }
 }
@@ -644,11 +671,10 @@ __attribute__((always_inline)) inline void GroupDotsFromCodes(const uint8_t* cod
   for (int k = 0; k < 4; ++k) dot[k] = vec::SetInts(0);
   for (int run = 0; run < runs; ++run) {
     for (int n = 0; n < per_byte; n += 2) {
-      const int quad = run * per_byte + n;
-      const I four = vec::SetInts(x[quad]), next = vec::SetInts(x[quad + 1]);
+      const QuadInputs<Codes::kKQuant> in(x, run * per_byte + n);
       for (int k = 0; k < 4; ++k) {
-        dot[k] = DotBytes2(dot[k], SlotCodes<kKind>(codes, high, g * runs + run, n, k), four,
-                           SlotCodes<kKind>(codes, high, g * runs + run, n + 1, k), next);
+        dot[k] = DotKQuant(dot[k], SlotCodes<kKind>(codes, high, g * runs + run, n, k),
+                           SlotCodes<kKind>(codes, high, g * runs + run, n + 1, k), in);
       }
     }
   }
