@@ -125,9 +125,10 @@ class CpuBackend(XlaBackend):
         return super().abstract_params(config, dtype, sharding)
 
     def start_weight_kernel_builds(self, params: dict) -> None:
-        """The K-quant kernels, on threads, where the params hold K-quants
-        (each is ~15 s of a machine's first start), while the engine's
-        programs are traced."""
+        """Where the params hold K-quants: their kinds' exact kernels loaded
+        before this returns (a program read back from the executable cache
+        calls them; started early by start_kernel_builds, so this mostly
+        waits), the int8-activation kernel on a thread."""
         if self.native:
             cpu_weights.start_kquant_builds(params)
 
@@ -138,16 +139,18 @@ class CpuBackend(XlaBackend):
         would otherwise land, one after the other, on warm-up's first trace.
         The int8-activation matmul only for the load that uses it ("gguf-a8");
         the K-quant kernels where the file holds K-quants it keeps as stored,
-        first, as they take longest (~27 s on one core: started here rather
-        than once the weights are arranged, it builds beside the load)."""
+        first, as they take longest (the handler and each kind the file holds
+        on a thread of its own: kquant_matmul.load_kinds; started here rather
+        than once the weights are arranged, so they build beside the load)."""
         if not self.native:
             return
         builds = [paged_attention.available, matmul.available, zeroed_buffer.available]
         if quantization == "gguf-a8":
             builds.append(matmul.q8_available)
         kept_as_stored = quantization in ("gguf", "gguf-a8") and self.keeps_k_quants_as_stored()
-        if kept_as_stored and getattr(source, "holds_k_quants", False):
-            builds[:0] = cpu_weights.kquant_builds(int8_activations=quantization == "gguf-a8")
+        kinds = getattr(source, "k_quant_kinds", frozenset())
+        if kept_as_stored and kinds:
+            builds[:0] = cpu_weights.kquant_builds(quantization == "gguf-a8", kinds)
         for available in builds:
             threading.Thread(target=available, daemon=True).start()
 

@@ -38,6 +38,7 @@ that failed to build (available() False) is never chosen.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -308,17 +309,22 @@ def tiled(w):
 
 
 def start_kquant_builds(params: dict) -> None:
-    """Build the K-quant kernels on threads where the params hold K-quants
-    (only then: each is ~15 s of a machine's first start), while the
-    engine's programs are traced."""
+    """Where the params hold K-quants: the int8-activation kernel's build on a
+    thread (a "gguf-a8" load's), and their kinds' exact kernels loaded before
+    returning (built first where not cached): a program read back from the
+    executable cache calls them with no trace that would load them."""
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, KQuantTensor))
     kquants = [w for w in leaves if isinstance(w, KQuantTensor)]
-    builds = kquant_builds(any(w.activation_block for w in kquants)) if kquants else []
-    for available in builds:
-        threading.Thread(target=available, daemon=True).start()
+    if not kquants:
+        return
+    if any(w.activation_block for w in kquants):
+        threading.Thread(target=kquant_matmul.q8_available, daemon=True).start()
+    kquant_matmul.load_kinds(kquant_matmul.kinds_of(kquants))
 
 
-def kquant_builds(int8_activations: bool) -> list:
-    """The K-quant kernels' build-and-register calls: the exact one, and the
-    int8-activation one for a "gguf-a8" load."""
-    return [kquant_matmul.available, *([kquant_matmul.q8_available] if int8_activations else [])]
+def kquant_builds(int8_activations: bool, kinds) -> list:
+    """The K-quant kernels' build-and-load calls, one a thread: the exact
+    kernel's handler, each kind's kernels (kinds: KINDS' names), and the
+    int8-activation kernel for a "gguf-a8" load."""
+    return [kquant_matmul.available, *(functools.partial(kquant_matmul.load_kinds, [kind]) for kind in sorted(kinds)),
+            *([kquant_matmul.q8_available] if int8_activations else [])]

@@ -393,9 +393,10 @@ class GGUFTensors:
         return self._tensors.keys()
 
     @property
-    def holds_k_quants(self) -> bool:
-        """Whether any tensor is in a K-quant type (Q2_K .. Q6_K)."""
-        return any(gguf.GGMLQuantizationType(t.tensor_type) in K_QUANT_KINDS for t in self._tensors.values())
+    def k_quant_kinds(self) -> frozenset[str]:
+        """The K-quant types its tensors are in (K_QUANT_KINDS' names: "q4_k", ...)."""
+        return frozenset(K_QUANT_KINDS[kind] for t in self._tensors.values()
+                         if (kind := gguf.GGMLQuantizationType(t.tensor_type)) in K_QUANT_KINDS)
 
     def _unpermute_heads(self, name: str) -> int | None:
         if self._unpermute and name.endswith(("q_proj.weight", "k_proj.weight")):

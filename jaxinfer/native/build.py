@@ -67,10 +67,11 @@ def cxx_compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def native_library(source: str):
+def native_library(source: str, defines: tuple[str, ...] = ()):
     """A C++ XLA FFI kernel (`source`, a .cc file of this folder) built with
-    the machine's compiler and loaded (ctypes.CDLL). Built once per source,
-    compiler, CPU and JAX version, cached under ~/.cache/jaxinfer/kernels
+    the machine's compiler and loaded (ctypes.CDLL); `defines` ("NAME=VALUE")
+    select a part of a source built apart (kquant_matmul.py's kinds). Built
+    once per source, defines, compiler, CPU and JAX version, cached under ~/.cache/jaxinfer/kernels
     (or JAXINFER_KERNEL_CACHE_DIR). None, with a warning, where that cannot be
     done (JAXINFER_CPU_KERNELS=0, no compiler, a failed build): callers then
     run their jnp path."""
@@ -88,7 +89,8 @@ def native_library(source: str):
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
         texts = [Path(source).read_text(), *(header.read_text() for header in NATIVE_HEADERS)]
-        key = hashlib.sha256("\0".join([*texts, " ".join(NATIVE_CXXFLAGS), version, cpu_flags(),
+        flags = (*NATIVE_CXXFLAGS, *(f"-D{define}" for define in defines))
+        key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, cpu_flags(),
                                         jax.ffi.include_dir(), jax.__version__]).encode()).hexdigest()[:16]
         cache = Path(os.environ.get("JAXINFER_KERNEL_CACHE_DIR") or Path.home() / ".cache" / "jaxinfer" / "kernels")
         path = cache / f"{name}-{key}.so"
@@ -99,7 +101,7 @@ def native_library(source: str):
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 out = Path(tmp) / path.name
                 includes = [f"-I{jax.ffi.include_dir()}", f"-I{Path(__file__).parents[2]}"]
-                subprocess.run([compiler, *NATIVE_CXXFLAGS, *includes, source, "-o", str(out)],
+                subprocess.run([compiler, *flags, *includes, source, "-o", str(out)],
                                capture_output=True, text=True, check=True)
                 os.replace(out, path)
         return ctypes.cdll.LoadLibrary(str(path))

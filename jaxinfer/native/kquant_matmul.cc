@@ -5,6 +5,13 @@
 // the same lanes, operations and order on both); elsewhere the build fails
 // on purpose and quant/linear.py multiplies the dequantized weight in XLA.
 //
+// Built as two kinds of library from this one file: the handler (no
+// JAXINFER_KQUANT_KIND: the checks, the plan's table of planners, the FFI
+// symbol), and one library per kind (JAXINFER_KQUANT_KIND = its Kind: its
+// PlanKind and kernels, handed to the handler's table by
+// kquant_matmul.py), so that a machine's first start compiles only the
+// kinds its file holds.
+//
 // Why: matmul.cc multiplies int8 / int4 codes with float32 scales per group.
 // A K-quant weight in that form carries 4 bytes of scale (and 4 of offset)
 // per group and its 5- and 6-bit codes widened to bytes: a Q4_K_M model read
@@ -57,8 +64,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "jaxinfer/native/kquant_layer.h"
@@ -638,15 +647,33 @@ void PlanKind(Plan& plan, int64_t workers) {
   plan.run = RunManyRows<kKind>;
 }
 
-void PlanProduct(Plan& plan, int64_t workers) {
-  if (plan.p.shape.minimums) plan.x_sums = GroupSums(plan.p);
-  switch (plan.p.kind) {
-    case kQ2K: return PlanKind<kQ2K>(plan, workers);
-    case kQ3K: return PlanKind<kQ3K>(plan, workers);
-    case kQ4K: return PlanKind<kQ4K>(plan, workers);
-    case kQ5K: return PlanKind<kQ5K>(plan, workers);
-    default: return PlanKind<kQ6K>(plan, workers);
+// A kind's planner (PlanKind).
+using Planner = void (*)(Plan& plan, int64_t workers);
+
+#if defined(JAXINFER_KQUANT_KIND)
+}  // namespace
+
+// A kind library: PlanKind of one kind and the kernels it runs, nothing
+// else. kquant_matmul.py gives its planner to the handler library's table.
+extern "C" void* JaxinferKQuantPlanner() { return reinterpret_cast<void*>(&PlanKind<JAXINFER_KQUANT_KIND>); }
+
+#else
+// The planner of each kind whose library is loaded (null until then). Why
+// apart: the kernels of all five kinds took 25 s to compile with AVX-512
+// (g++ 12), and a file holds two or three kinds (Q4_K_M: Q4_K and Q6_K).
+std::atomic<Planner> planners[5] = {};
+
+ffi::Error PlanProduct(Plan& plan, int64_t workers) {
+  const Planner planner = planners[plan.p.kind].load(std::memory_order_acquire);
+  if (planner == nullptr) {
+    static const char* const names[] = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"};
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string("k-quant matmul: the kernel of ") + names[plan.p.kind] +
+                          " is not loaded (kquant_matmul.py loads a kind's when a call with its weights is traced)");
   }
+  if (plan.p.shape.minimums) plan.x_sums = GroupSums(plan.p);
+  planner(plan, workers);
+  return ffi::Error::Success();
 }
 
 // Checks one weight's buffers against x and describes its product in *problem.
@@ -672,8 +699,7 @@ ffi::Error KQuantMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> 
       [&](int64_t, int64_t layer, int64_t kind, ffi::AnyBuffer* a, float* out) {
         plans.push_back(std::make_unique<Plan>());
         ffi::Error described = Describe(x, layer, kind, a[0], a[1], a[2], a[3], a[4], a[5], out, &plans.back()->p);
-        if (!described.failure()) PlanProduct(*plans.back(), workers);
-        return described;
+        return described.failure() ? described : PlanProduct(*plans.back(), workers);
       });
   if (error.failure()) return error;
   jaxinfer::RunPlans(thread_pool, plans);
@@ -681,6 +707,11 @@ ffi::Error KQuantMatmulsImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::F32> 
 }
 
 }  // namespace
+
+// Installs a kind library's planner (JaxinferKQuantPlanner) for kind.
+extern "C" void JaxinferKQuantSetPlanner(int64_t kind, void* planner) {
+  planners[kind].store(reinterpret_cast<Planner>(planner), std::memory_order_release);
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferKQuantMatmuls, KQuantMatmulsImpl,
                               ffi::Ffi::Bind()
@@ -691,3 +722,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferKQuantMatmuls, KQuantMatmulsImpl,
                                   .RemainingRets()               // each weight's out
                                   .Attr<ffi::Span<const int64_t>>("kinds")
                                   .Attr<ffi::Span<const int64_t>>("stacks"));
+#endif  // JAXINFER_KQUANT_KIND

@@ -15,13 +15,16 @@ weight at how many rows is the CPU backend's choice (backends/cpu_weights.py).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.native.build import cpu_runs_vec16, native_ffi_target
+from jaxinfer.native.build import cpu_runs_vec16, native_ffi_target, native_library
 from jaxinfer.quant.kquant import SUPER_BLOCK, KQuantTensor
 from jaxinfer.quant.mixed_stack import MixedStack
 
@@ -34,8 +37,46 @@ TILE = 64  # columns per tile: the kernels read tiled weights only
 
 
 def available() -> bool:
-    """Whether the exact kernel is built and registered (built on first call, where cpu_runs_vec16)."""
+    """Whether the exact kernel's handler is built and registered (built on
+    first call, where cpu_runs_vec16). Each kind's kernels are a library of
+    their own, loaded by load_kinds."""
     return cpu_runs_vec16() and native_ffi_target(str(SOURCE), "JaxinferKQuantMatmuls", TARGET_NAME)
+
+
+_kind_locks = {kind: threading.Lock() for kind in KINDS}
+
+
+def load_kinds(kinds) -> bool:
+    """Build (or load, once cached) the exact kernels of each kind in `kinds`
+    (KINDS' names) and hand them to the registered handler; False where one
+    cannot be built. A kind is kquant_matmul.cc built with
+    JAXINFER_KQUANT_KIND: all five kinds in one library took 25 s to compile
+    with AVX-512, where a Q4_K_M file needs two (Q4_K 6.8 s, Q6_K 5.7 s, each
+    on a thread of its own). Threads may load different kinds at once."""
+    return cpu_runs_vec16() and all(_load_kind(kind) for kind in kinds) and available()
+
+
+def _load_kind(kind: str) -> bool:
+    with _kind_locks[kind]:
+        return _loaded_kind(kind)
+
+
+@functools.cache
+def _loaded_kind(kind: str) -> bool:
+    index = KINDS.index(kind)
+    library = native_library(str(SOURCE), (f"JAXINFER_KQUANT_KIND={index}",))
+    if library is None or not available():
+        return False
+    handler = native_library(str(SOURCE))  # the registered handler's file: the same loaded library
+    library.JaxinferKQuantPlanner.restype = ctypes.c_void_p
+    handler.JaxinferKQuantSetPlanner.argtypes = [ctypes.c_int64, ctypes.c_void_p]
+    handler.JaxinferKQuantSetPlanner(index, library.JaxinferKQuantPlanner())
+    return True
+
+
+def kinds_of(ws) -> set[str]:
+    """The kinds of ws' stacks (every part of a MixedStack)."""
+    return {p.kind for w in ws for p in (w.parts if isinstance(w, MixedStack) else [w])}
 
 
 def q8_available() -> bool:
@@ -81,7 +122,7 @@ def kquant_matmuls(x, ws: list[KQuantTensor | MixedStack], layer_index=0) -> lis
     MixedStack passes every part, each with the layer's index in it or -1,
     and the kernel reads the one that holds the layer: no switch around the
     call, and the call can take the layer's other weights too."""
-    if not available():
+    if not load_kinds(kinds_of(ws)):
         raise RuntimeError("the CPU K-quant matmul kernel is not available here (see the warning above)")
     return _call(TARGET_NAME, x, ws, layer_index)
 

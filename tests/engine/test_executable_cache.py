@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
+from tests.cpu_features import needs_vec16
+from tests.gguf_writer import write_kquant_mix
 from tests.tiny_models import hf_greedy, make_hf_model, save_hf_model
 from tests.xla_flags import product_level, with_device_count
 
@@ -163,3 +166,21 @@ def test_on_demand_stores_what_its_steps_compiled_and_the_next_start_loads_it(ti
     second = start(model_dir, cache, prompts, child=CHILD_ON_DEMAND)
     assert second["loaded"] == second["compiled"] == first["compiled"]
     assert second["tokens"] == expected and second["sampled"] == first["sampled"]
+
+
+@needs_vec16
+def test_a_k_quant_files_second_start_runs_the_stored_programs_on_its_kinds_kernels(tmp_path):
+    """A GGUF of Q4_K weights with Q6_K in the head and in a layer that mixes
+    both: the programs its second start loads call each kind's K-quant
+    kernels, libraries of their own that no trace loads there (nothing is
+    traced); they load with the weights, and the second start gives the
+    first's tokens, greedy and sampled."""
+    q = gguf.GGMLQuantizationType
+    mix = {"blk.1.attn_v.weight": q.Q6_K, "blk.1.ffn_down.weight": q.Q6_K, "output.weight": q.Q6_K}
+    path = write_kquant_mix(make_hf_model("llama_kquant", seed=13), tmp_path / "m.gguf", mix, seed=6)
+    prompts = [np.random.default_rng(4).integers(0, 128, 6).tolist()]
+    cache = tmp_path / "cache"
+    first = start(path, cache, prompts, child=CHILD_ON_DEMAND)
+    second = start(path, cache, prompts, child=CHILD_ON_DEMAND)
+    assert first["loaded"] == 0 and second["loaded"] == first["compiled"] > 0
+    assert second["tokens"] == first["tokens"] and second["sampled"] == first["sampled"]

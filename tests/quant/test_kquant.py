@@ -11,7 +11,10 @@ written with the gguf package (random K-quant blocks: it has no K-quant
 quantizer)."""
 
 import dataclasses
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import gguf
 import jax
@@ -46,7 +49,35 @@ def test_kernels_build_here():
     # converts them in numpy, seconds slower). The exact matmul is AVX-512 or
     # AVX2 code, the int8-activation one AVX512-VNNI or AVX2: elsewhere they report so.
     assert kquant_matmul.available() == VEC16 and kquant_matmul.q8_available() == INT8_DOTS
+    assert kquant_matmul.load_kinds(kquant_matmul.KINDS) == VEC16
     assert kquant_repack.available()
+
+
+# A process that registers the exact kernel's handler and loads no kind, then calls it on a Q5_K weight.
+UNLOADED_KIND_CHILD = """
+import numpy as np, gguf
+from jaxinfer.loading.gguf import blocks_to_kquant
+from jaxinfer.native import kquant_matmul
+from tests.gguf_writer import random_k_blocks
+raw = random_k_blocks(np.random.default_rng(0), gguf.GGMLQuantizationType.Q5_K, 64, 256)
+w = blocks_to_kquant(raw, gguf.GGMLQuantizationType.Q5_K, 64, 256).tiled(64)
+assert kquant_matmul.available()
+try:
+    kquant_matmul._call(kquant_matmul.TARGET_NAME, np.ones((1, 256), np.float32), [w], 0)[0].block_until_ready()
+except Exception as error:
+    print(error)
+"""
+
+
+@needs_vec16
+def test_a_kind_whose_kernels_are_not_loaded_is_named():
+    """Each kind's kernels are a library the handler is handed; a call on a
+    kind it was not handed (kquant_matmuls always loads them first) fails
+    naming the kind, rather than computing anything."""
+    out = subprocess.run([sys.executable, "-c", UNLOADED_KIND_CHILD], capture_output=True, text=True,
+                         cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "the kernel of Q5_K is not loaded" in out.stdout
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
@@ -226,16 +257,27 @@ TOKENS = np.arange(1, 40)
 
 
 @needs_vec16
-def test_the_k_quant_kernel_build_starts_before_the_weights_are_read(mixed_file, monkeypatch):
-    """The K-quant kernel, a machine's longest build, is asked for as soon as
-    the file is open (it holds K-quants), not once its weights are arranged:
-    the build runs beside the load."""
-    asked = threading.Event()
-    monkeypatch.setattr(kquant_matmul, "available", lambda: asked.set() or True)  # built already (first test)
+def test_the_k_quant_kernels_build_before_the_weights_are_read(mixed_file, monkeypatch):
+    """The K-quant kernels, a machine's longest builds, are asked for as soon
+    as the file is open, not once its weights are arranged (the builds run
+    beside the load), and only for the kinds it holds (gguf's reader lists
+    them): each kind is its own library."""
+    held = {t.tensor_type.name.lower() for t in gguf.GGUFReader(mixed_file).tensors
+            if t.tensor_type.name.endswith("_K")}
+    asked, every_kind = [], threading.Event()
+
+    def load_kinds(kinds):  # built already (the first test)
+        asked.extend(kinds)
+        if set(asked) >= held:
+            every_kind.set()
+        return True
+
+    monkeypatch.setattr(kquant_matmul, "load_kinds", load_kinds)
     before = []
     jaxinfer.load(str(mixed_file), progress=False,
-                  before_weights=lambda *_: before.append(asked.wait(timeout=10)))
+                  before_weights=lambda *_: before.append(every_kind.wait(timeout=10)))
     assert before == [True]
+    assert len(held) > 1 and set(asked) == held
 
 
 @needs_vec16
