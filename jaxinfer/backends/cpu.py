@@ -144,11 +144,17 @@ class CpuBackend(XlaBackend):
         than once the weights are arranged, so they build beside the load)."""
         if not self.native:
             return
-        builds = [paged_attention.available, matmul.available, zeroed_buffer.available]
-        if quantization == "gguf-a8":
-            builds.append(matmul.q8_available)
         kept_as_stored = quantization in ("gguf", "gguf-a8") and self.keeps_k_quants_as_stored()
         kinds = getattr(source, "k_quant_kinds", frozenset())
+        # matmul.cc multiplies grouped int8 / int4 codes: a GGUF's classic
+        # blocks, its K-quants where not kept as stored, any other source's
+        # quantized weights. A file of K-quants alone needs it nowhere (~2 s
+        # of a 2-core first start); a trace that does builds it then.
+        grouped = (quantization not in ("gguf", "gguf-a8") or getattr(source, "holds_grouped_blocks", True)
+                   or (kinds and not kept_as_stored))
+        builds = [paged_attention.available, zeroed_buffer.available, *([matmul.available] if grouped else [])]
+        if quantization == "gguf-a8":
+            builds.append(matmul.q8_available)
         if kept_as_stored and kinds:
             builds[:0] = cpu_weights.kquant_builds(quantization == "gguf-a8", kinds)
         for available in builds:

@@ -393,6 +393,13 @@ class GGUFTensors:
         return self._tensors.keys()
 
     @property
+    def holds_grouped_blocks(self) -> bool:
+        """Whether a tensor is in a classic block type (Q8_0, Q4_0, Q4_1, Q5_0,
+        Q5_1), held as grouped int8 / int4 codes (QuantizedTensor)."""
+        return any((kind := gguf.GGMLQuantizationType(t.tensor_type)) in DIRECT_TYPES and kind not in K_QUANT_KINDS
+                   for t in self._tensors.values())
+
+    @property
     def k_quant_kinds(self) -> frozenset[str]:
         """The K-quant types its tensors are in (K_QUANT_KINDS' names: "q4_k", ...)."""
         return frozenset(K_QUANT_KINDS[kind] for t in self._tensors.values()

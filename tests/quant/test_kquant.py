@@ -28,7 +28,7 @@ from jaxinfer.errors import CheckpointError
 from jaxinfer.loading.gguf import (K_QUANT_KINDS, SUPPORTED_TENSOR_TYPES, GGUFTensors, blocks_to_kquant, open_gguf,
                                    unpermute_rows)
 from jaxinfer.loading.model import Model
-from jaxinfer.native import kquant_matmul, kquant_repack
+from jaxinfer.native import kquant_matmul, kquant_repack, matmul, paged_attention
 from jaxinfer.perplexity import perplexity
 from jaxinfer.quant.kquant import KQuantTensor, dequantize
 from jaxinfer.quant.layer_weights import LayerOf
@@ -261,10 +261,11 @@ def test_the_k_quant_kernels_build_before_the_weights_are_read(mixed_file, monke
     """The K-quant kernels, a machine's longest builds, are asked for as soon
     as the file is open, not once its weights are arranged (the builds run
     beside the load), and only for the kinds it holds (gguf's reader lists
-    them): each kind is its own library."""
-    held = {t.tensor_type.name.lower() for t in gguf.GGUFReader(mixed_file).tensors
-            if t.tensor_type.name.endswith("_K")}
-    asked, every_kind = [], threading.Event()
+    them): each kind is its own library. matmul.cc (grouped int8 / int4
+    codes) is not built at all: the file holds K-quants and floats only."""
+    types = {t.tensor_type.name for t in gguf.GGUFReader(mixed_file).tensors}
+    held = {name.lower() for name in types if name.endswith("_K")}
+    asked, every_kind, attention, grouped = [], threading.Event(), threading.Event(), threading.Event()
 
     def load_kinds(kinds):  # built already (the first test)
         asked.extend(kinds)
@@ -273,11 +274,16 @@ def test_the_k_quant_kernels_build_before_the_weights_are_read(mixed_file, monke
         return True
 
     monkeypatch.setattr(kquant_matmul, "load_kinds", load_kinds)
+    monkeypatch.setattr(paged_attention, "available", lambda: attention.set() or True)
+    monkeypatch.setattr(matmul, "available", lambda: grouped.set() or True)
     before = []
     jaxinfer.load(str(mixed_file), progress=False,
                   before_weights=lambda *_: before.append(every_kind.wait(timeout=10)))
     assert before == [True]
     assert len(held) > 1 and set(asked) == held
+    # The builds start together; the attention kernel's (always asked for) has started, matmul.cc's not.
+    assert types <= {"F32", "F16", *(name.upper() for name in held)}
+    assert attention.wait(timeout=10) and not grouped.wait(timeout=0.2)
 
 
 @needs_vec16
