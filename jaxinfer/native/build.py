@@ -114,6 +114,8 @@ def native_library(source: str, defines: tuple[str, ...] = ()):
 _registration_locks: dict[str, threading.Lock] = {}
 # target name -> (source, symbol) of every handler registered in this process.
 _registered: dict[str, tuple[str, str]] = {}
+# target name -> the loaded library (ctypes.CDLL) its handler came from.
+_libraries: dict[str, object] = {}
 _registration_locks_lock = threading.Lock()
 
 
@@ -138,7 +140,14 @@ def _register(source: str, symbol: str, target_name: str) -> bool:
         return False
     jax.ffi.register_ffi_target(target_name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     _registered[target_name] = (source, symbol)
+    _libraries[target_name] = library
     return True
+
+
+def registered_library(target_name: str):
+    """The loaded library (ctypes.CDLL) of a registered target's handler, for
+    a kernel that hands it code built apart (kquant_matmul.py's kinds)."""
+    return _libraries[target_name]
 
 
 def registered_ffi_targets() -> dict[str, tuple[str, str]]:

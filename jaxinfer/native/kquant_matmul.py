@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.native.build import cpu_runs_vec16, native_ffi_target, native_library
+from jaxinfer.native.build import cpu_runs_vec16, native_ffi_target, native_library, registered_library
 from jaxinfer.quant.kquant import SUPER_BLOCK, KQuantTensor
 from jaxinfer.quant.mixed_stack import MixedStack
 
@@ -67,7 +67,7 @@ def _loaded_kind(kind: str) -> bool:
     library = native_library(str(SOURCE), (f"JAXINFER_KQUANT_KIND={index}",))
     if library is None or not available():
         return False
-    handler = native_library(str(SOURCE))  # the registered handler's file: the same loaded library
+    handler = registered_library(TARGET_NAME)
     library.JaxinferKQuantPlanner.restype = ctypes.c_void_p
     handler.JaxinferKQuantSetPlanner.argtypes = [ctypes.c_int64, ctypes.c_void_p]
     handler.JaxinferKQuantSetPlanner(index, library.JaxinferKQuantPlanner())
